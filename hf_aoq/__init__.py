@@ -1,0 +1,35 @@
+"""hf_aoq: quantize Hugging Face transformers models into PyTorch tensor subclasses."""
+from .configs import (
+    AOQBaseConfig,
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8WeightOnlyConfig,
+    FqnToConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+)
+from .core import AOQError, AOQTensor, FormatError, PerGroup, PerRow, PerTensor
+from .quantize import quantize_
+from .tensors import Float8Tensor, Int4Tensor, Int8Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AOQBaseConfig",
+    "AOQError",
+    "AOQTensor",
+    "Float8DynamicActivationFloat8WeightConfig",
+    "Float8Tensor",
+    "Float8WeightOnlyConfig",
+    "FormatError",
+    "FqnToConfig",
+    "Int4Tensor",
+    "Int4WeightOnlyConfig",
+    "Int8DynamicActivationInt8WeightConfig",
+    "Int8Tensor",
+    "Int8WeightOnlyConfig",
+    "PerGroup",
+    "PerRow",
+    "PerTensor",
+    "quantize_",
+]

@@ -1,0 +1,332 @@
+"""AOQTensor: the base class of every quantized tensor, built from four declared field lists.
+
+A tensor type declares
+
+    tensor_data_names                 required tensors            (e.g. qdata, scale)
+    tensor_attribute_names            required non-tensor values  (must include shape and dtype)
+    optional_tensor_data_names        tensors that may be None
+    optional_tensor_attribute_names   values that may be None
+
+and the constructor takes them in exactly that order, every optional one defaulting to None, so
+adding an optional field never breaks an old caller, an old pickle or an old checkpoint.
+`shape` and `dtype` are the logical shape and dtype the tensor presents (and dequantizes to);
+they live on the wrapper itself, every other field is an instance attribute.
+
+From the declaration this class provides flatten/unflatten for torch.compile, repr, detach,
+clone, alias, `copy_`, `.to(device)` / `.to(dtype)`, pickling with defaults for missing
+optional fields, `torch.load(weights_only=True)` registration, and per-class op tables.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from .errors import AOQError
+
+aten = torch.ops.aten
+
+_WRAPPER_ATTRIBUTES = ("shape", "dtype")
+
+OpImpl = Callable[[Any, tuple, tuple, dict], Any]
+
+
+class AOQTensor(torch.Tensor):
+    tensor_data_names: ClassVar[tuple[str, ...]] = ()
+    tensor_attribute_names: ClassVar[tuple[str, ...]] = ()
+    optional_tensor_data_names: ClassVar[tuple[str, ...]] = ()
+    optional_tensor_attribute_names: ClassVar[tuple[str, ...]] = ()
+    # Bumped for any change other than adding an optional field; see hf_aoq.serialization.
+    schema_version: ClassVar[int] = 1
+
+    # Per-class op tables, filled by `implements` / `implements_torch_function`; each subclass
+    # gets its own, and lookups walk the MRO so subclasses inherit and may override.
+    _aten_table: ClassVar[dict] = {}
+    _torch_fn_table: ClassVar[dict] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._aten_table = {}
+        cls._torch_fn_table = {}
+        if not cls.tensor_data_names:
+            return  # an abstract intermediate class
+        names = cls.field_names()
+        if len(set(names)) != len(names):
+            raise TypeError(f"{cls.__name__}: a field name is declared twice in {names}")
+        missing = [n for n in _WRAPPER_ATTRIBUTES if n not in cls.tensor_attribute_names]
+        if missing:
+            raise TypeError(f"{cls.__name__}: tensor_attribute_names must include {missing}")
+        for n in names:
+            # A field that shadows a Tensor attribute would be unreadable and would fool
+            # hasattr-based checks when unpickling; refuse it at class creation.
+            if n not in _WRAPPER_ATTRIBUTES and hasattr(torch.Tensor, n):
+                raise TypeError(f"{cls.__name__}: field name {n!r} shadows a torch.Tensor attribute")
+        torch.serialization.add_safe_globals([cls])
+
+    # ------------------------------------------------------------------ declared fields
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """All field names in constructor order."""
+        return (
+            tuple(cls.tensor_data_names)
+            + tuple(cls.tensor_attribute_names)
+            + tuple(cls.optional_tensor_data_names)
+            + tuple(cls.optional_tensor_attribute_names)
+        )
+
+    @classmethod
+    def attribute_names(cls) -> tuple[str, ...]:
+        return tuple(cls.tensor_attribute_names) + tuple(cls.optional_tensor_attribute_names)
+
+    @classmethod
+    def _bind(cls, args: tuple, kwargs: dict) -> dict[str, Any]:
+        names = cls.field_names()
+        if len(args) > len(names):
+            raise TypeError(f"{cls.__name__} takes at most {len(names)} fields, got {len(args)} positional")
+        fields = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise TypeError(f"{cls.__name__} has no field {k!r}; fields are {names}")
+            if k in fields:
+                raise TypeError(f"{cls.__name__}: field {k!r} given twice")
+            fields[k] = v
+        required = tuple(cls.tensor_data_names) + tuple(cls.tensor_attribute_names)
+        absent = [n for n in required if fields.get(n) is None]
+        if absent:
+            raise TypeError(f"{cls.__name__}: missing required field(s) {absent}")
+        for n in cls.optional_tensor_data_names + cls.optional_tensor_attribute_names:
+            fields.setdefault(n, None)
+        for n in tuple(cls.tensor_data_names) + tuple(cls.optional_tensor_data_names):
+            v = fields[n]
+            if v is not None and not isinstance(v, torch.Tensor):
+                raise TypeError(f"{cls.__name__}: field {n!r} must be a tensor, got {type(v).__name__}")
+        for n in cls.attribute_names():
+            if isinstance(fields[n], torch.Tensor) and n != "shape":
+                raise TypeError(f"{cls.__name__}: attribute {n!r} must not be a tensor")
+        if not isinstance(fields["dtype"], torch.dtype):
+            raise TypeError(f"{cls.__name__}: dtype must be a torch.dtype, got {fields['dtype']!r}")
+        fields["shape"] = torch.Size(fields["shape"])
+        return fields
+
+    def __new__(cls, *args, **kwargs):
+        fields = cls._bind(args, kwargs)
+        first = fields[cls.tensor_data_names[0]]
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, fields["shape"], dtype=fields["dtype"], device=first.device, requires_grad=False
+        )
+        for name, value in fields.items():
+            if name not in _WRAPPER_ATTRIBUTES:
+                setattr(self, name, value)
+        return self
+
+    def __init__(self, *args, **kwargs):
+        # Everything happens in __new__; Tensor.__init__ must not see the fields.
+        pass
+
+    def fields(self) -> dict[str, Any]:
+        """Every declared field by name, in constructor order."""
+        return {n: getattr(self, n) for n in self.field_names()}
+
+    def tensor_fields(self) -> dict[str, torch.Tensor]:
+        """The tensor fields that are present (optional ones that are None are left out)."""
+        names = tuple(self.tensor_data_names) + tuple(self.optional_tensor_data_names)
+        return {n: t for n in names if (t := getattr(self, n)) is not None}
+
+    def attributes(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in self.attribute_names()}
+
+    def replace(self, **changes) -> "AOQTensor":
+        """A new tensor of the same type with some fields replaced."""
+        fields = self.fields()
+        fields.update(changes)
+        return type(self)(**fields)
+
+    def apply_to_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "AOQTensor":
+        """A new tensor of the same type with `fn` applied to every present tensor field."""
+        return self.replace(**{n: fn(t) for n, t in self.tensor_fields().items()})
+
+    # ------------------------------------------------------------------ torch.compile
+    def __tensor_flatten__(self):
+        # The context is (name, value) pairs so that unflatten never depends on position.
+        ctx = tuple((n, getattr(self, n)) for n in self.attribute_names())
+        return list(self.tensor_fields()), ctx
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, ctx, outer_size, outer_stride):
+        fields = dict(ctx)
+        fields.update(inner_tensors)
+        if outer_size is not None:
+            fields["shape"] = outer_size
+        return cls(**fields)
+
+    # ------------------------------------------------------------------ pickling
+    def __setstate__(self, state):
+        torch._utils._set_obj_state(self, state)
+        # Test the instance dict, not hasattr: a class-level or Tensor attribute of the same
+        # name would make hasattr true and leave the field unset.
+        for n in tuple(self.optional_tensor_data_names) + tuple(self.optional_tensor_attribute_names):
+            if n not in self.__dict__:
+                setattr(self, n, None)
+        absent = [n for n in self.tensor_data_names if n not in self.__dict__]
+        absent += [n for n in self.tensor_attribute_names if n not in _WRAPPER_ATTRIBUTES and n not in self.__dict__]
+        if absent:
+            raise AOQError(f"cannot unpickle {type(self).__name__}: required field(s) {absent} missing")
+
+    def __repr__(self):
+        parts = []
+        for n, v in self.fields().items():
+            if isinstance(v, torch.Tensor):
+                v = f"<{str(v.dtype).removeprefix('torch.')} {list(v.shape)}>"
+            elif n == "shape":
+                v = list(v)
+            parts.append(f"{n}={v}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    # ------------------------------------------------------------------ placement hooks
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.dequantize")
+
+    def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
+        """What the kernels do to the activation before the matmul, done in float (identity
+        for weight-only types). The reference kernel uses it."""
+        return x
+
+    def as_linear_weight(self) -> "AOQTensor | None":
+        """The weight W with `linear(x, W) == x @ self`, if this type can transpose; else None."""
+        return None
+
+    def select_rows(self, rows: torch.Tensor) -> "AOQTensor":
+        raise NotImplementedError(f"{type(self).__name__} does not support row lookups")
+
+    def slice_fields(self, dim: int, start: int, end: int) -> "AOQTensor":
+        raise NotImplementedError(f"{type(self).__name__} does not support slicing")
+
+    def to_canonical(self) -> "AOQTensor":
+        """The portable layout that is saved; types with device packings override this."""
+        return self
+
+    def place(self) -> "AOQTensor":
+        """Repack for the fastest kernel on this tensor's device (no-op by default)."""
+        return self
+
+    def _to_device(self, device: torch.device) -> "AOQTensor":
+        return self.apply_to_tensors(lambda t: t.to(device))
+
+    def _to_dtype(self, dtype: torch.dtype) -> "AOQTensor":
+        """Change the logical dtype; scales keep their own precision."""
+        if not dtype.is_floating_point:
+            raise AOQError(
+                f"{type(self).__name__} can present only a floating dtype; .to({dtype}) is not supported "
+                f"(call .dequantize() first for a plain tensor)"
+            )
+        return self.replace(dtype=dtype)
+
+    # ------------------------------------------------------------------ op tables
+    @classmethod
+    def implements(cls, *ops) -> Callable[[OpImpl], OpImpl]:
+        """Register `fn(func, types, args, kwargs)` for aten ops on this class and its subclasses."""
+
+        def register(fn):
+            for op in ops:
+                cls._aten_table[op] = fn
+            return fn
+
+        return register
+
+    @classmethod
+    def implements_torch_function(cls, *fns) -> Callable[[OpImpl], OpImpl]:
+        """Register `fn(func, types, args, kwargs)` for torch-level functions such as F.linear."""
+
+        def register(fn):
+            for f in fns:
+                cls._torch_fn_table[f] = fn
+            return fn
+
+        return register
+
+    @classmethod
+    def _lookup(cls, table: str, op) -> OpImpl | None:
+        for klass in cls.__mro__:
+            impl = klass.__dict__.get(table, {}).get(op)
+            if impl is not None:
+                return impl
+        return None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = cls._lookup("_torch_fn_table", func)
+        if impl is not None:
+            return impl(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = cls._lookup("_aten_table", func)
+        if impl is None:
+            raise NotImplementedError(
+                f"{cls.__name__} does not support the op {func}; dequantize() first, "
+                f"or add it to {cls.__name__}'s op table"
+            )
+        return impl(func, types, args, kwargs)
+
+
+# ---------------------------------------------------------------------- shared ops
+@AOQTensor.implements(aten.detach.default, aten.alias.default)
+def _view_like(func, types, args, kwargs):
+    self = args[0]
+    return return_and_correct_aliasing(func, args, kwargs, self.apply_to_tensors(func))
+
+
+@AOQTensor.implements(aten.clone.default)
+def _clone(func, types, args, kwargs):
+    self = args[0]
+    return return_and_correct_aliasing(func, args, kwargs, self.apply_to_tensors(torch.clone))
+
+
+@AOQTensor.implements(aten._to_copy.default)
+def _to_copy(func, types, args, kwargs):
+    self = args[0]
+    out = self
+    device = kwargs.get("device")
+    dtype = kwargs.get("dtype")
+    if device is not None and torch.device(device) != self.device:
+        out = out._to_device(torch.device(device))
+    if dtype is not None and dtype != self.dtype:
+        out = out._to_dtype(dtype)
+    if out is self:
+        out = self.apply_to_tensors(torch.clone)
+    return out
+
+
+def _metadata(t: AOQTensor) -> tuple:
+    return (
+        type(t),
+        tuple(t.attributes().items()),
+        tuple((n, x.shape, x.dtype) for n, x in t.tensor_fields().items()),
+    )
+
+
+@AOQTensor.implements(aten.copy_.default)
+def _copy_(func, types, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(src, AOQTensor) or _metadata(src.to_canonical()) != _metadata(dst.to_canonical()):
+        raise AOQError(
+            f"copy_ into {dst!r} needs a source of the same type, attributes and field shapes; got {src!r}"
+        )
+    if isinstance(src, AOQTensor) and src.device != dst.device:
+        src = src._to_device(dst.device)
+    if _metadata(src) != _metadata(dst):  # same canonical tensor, different packing
+        src = src.to_canonical()
+        src = src.place() if dst.to_canonical() is not dst else src
+    for n, t in dst.tensor_fields().items():
+        t.copy_(getattr(src, n))
+    return dst
+
+
+@AOQTensor.implements(aten.is_pinned.default)
+def _is_pinned(func, types, args, kwargs):
+    return all(t.is_pinned() for t in args[0].tensor_fields().values())

@@ -1,0 +1,93 @@
+"""CPU kernels: aten's int4 (tinygemm's CPU twin) and int8 kernels, and the int4 CPU packing."""
+from __future__ import annotations
+
+import torch
+
+from ..core.primitives import pack_int4, unpack_int4
+from . import Packing, register_kernel, register_packing
+from .common import quantize_int8_per_token, scale_and_zero
+from .nibbles import unpack_nibbles
+
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+HAS_INT4_CPU = hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")
+HAS_INT8_WEIGHT_MM = hasattr(aten, "_weight_int8pack_mm")
+HAS_INT_MM = hasattr(torch, "_int_mm")
+
+
+# ---------------------------------------------------------------------- int4
+def _int4pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    return aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+
+def _int4_cpu_available(w) -> bool:
+    n, k = w.shape
+    return HAS_INT4_CPU and w.block_size[-1] in INT4_GROUP_SIZES and k % 2 == 0 and n % 2 == 0
+
+
+def pack_int4_for_cpu(w):
+    """Canonical Int4Tensor -> qdata in aten's CPU int4 layout, scale as [K/g, N, 2] (scale, zero)."""
+    return w.replace(qdata=_int4pack_codes(unpack_int4(w.qdata)), scale=scale_and_zero(w), packing="cpu_int4pack")
+
+
+def unpack_int4_from_cpu(w):
+    n, k = w.shape
+    codes = unpack_nibbles(w.qdata, n, k, _int4pack_codes)
+    scale = w.scale[..., 0].t().contiguous()
+    return w.replace(qdata=pack_int4(codes), scale=scale, packing=None)
+
+
+register_packing(
+    Packing("cpu_int4pack", "Int4Tensor", "cpu", 10, _int4_cpu_available, pack_int4_for_cpu, unpack_int4_from_cpu)
+)
+
+
+def _int4_cpu_applies(x, w) -> bool:
+    return w.packing == "cpu_int4pack" and x.device.type == "cpu" and x.dtype in FLOATS
+
+
+@register_kernel("linear", "Int4Tensor", "cpu_int4pack_mm", backend="cpu", priority=10, applies=_int4_cpu_applies)
+def int4_cpu_linear(x, w, bias):
+    k = w.shape[1]
+    x2 = x.reshape(-1, k).contiguous()
+    sz = w.scale if w.scale.dtype == x.dtype else w.scale.to(x.dtype)
+    y = aten._weight_int4pack_mm_for_cpu(x2, w.qdata, w.block_size[-1], sz)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+# ---------------------------------------------------------------------- int8
+def _per_row(w) -> bool:
+    return tuple(w.block_size) == (1, w.shape[1])
+
+
+def _int8_weight_only_applies(x, w) -> bool:
+    return HAS_INT8_WEIGHT_MM and x.device.type == "cpu" and w.act_quant is None and _per_row(w) and x.dtype in FLOATS
+
+
+@register_kernel("linear", "Int8Tensor", "cpu_int8pack_mm", backend="cpu", priority=10, applies=_int8_weight_only_applies)
+def int8_weight_only_cpu_linear(x, w, bias):
+    k = w.shape[1]
+    scale = w.scale.reshape(-1).to(x.dtype)
+    y = aten._weight_int8pack_mm(x.reshape(-1, k).contiguous(), w.qdata, scale)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _int8_dynamic_applies(x, w) -> bool:
+    return HAS_INT_MM and x.device.type == "cpu" and w.act_quant == "per_token" and _per_row(w) and x.dtype in FLOATS
+
+
+@register_kernel("linear", "Int8Tensor", "cpu_int_mm", backend="cpu", priority=10, applies=_int8_dynamic_applies)
+def int8_dynamic_cpu_linear(x, w, bias):
+    k = w.shape[1]
+    xq, x_scale = quantize_int8_per_token(x.reshape(-1, k))
+    acc = torch._int_mm(xq, w.qdata.t())
+    y = acc.float() * x_scale * w.scale.reshape(1, -1).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

@@ -1,0 +1,41 @@
+"""Reference kernels: dequantize, then the float op. Always applicable; the yardstick."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import register_kernel
+
+TYPES = ("Int4Tensor", "Int8Tensor", "Float8Tensor")
+
+
+def reference_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    # Dynamic-activation types quantize the input too; the reference does the same in float.
+    x = weight.simulate_input_quantization(x)
+    b = None if bias is None else bias.to(x.dtype)
+    return F.linear(x, weight.dequantize(x.dtype), b)
+
+
+def reference_embedding(indices: torch.Tensor, weight, padding_idx=None) -> torch.Tensor:
+    return F.embedding(indices, weight.dequantize(), padding_idx)
+
+
+for _name in TYPES:
+    register_kernel("linear", _name, "reference", backend="reference", priority=0)(reference_linear)
+    register_kernel("embedding", _name, "reference", backend="reference", priority=0)(reference_embedding)
+
+
+def _canonical(x, weight) -> bool:
+    return getattr(weight, "packing", None) is None
+
+
+def rowgather_embedding(indices: torch.Tensor, weight, padding_idx=None) -> torch.Tensor:
+    """Dequantize only the looked-up rows: rows are independent in every canonical layout."""
+    rows = weight.select_rows(indices.reshape(-1))
+    return rows.dequantize().reshape(*indices.shape, weight.shape[-1])
+
+
+for _name in ("Int4Tensor", "Int8Tensor", "Float8Tensor"):
+    register_kernel("embedding", _name, "rowgather", backend="any", priority=10, applies=_canonical)(
+        rowgather_embedding
+    )

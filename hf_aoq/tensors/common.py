@@ -1,0 +1,176 @@
+"""Ops every quantized weight type shares: F.linear, F.embedding, the matmul family, slicing.
+
+They route through `hf_aoq.kernels`, which picks the kernel; a tensor type only says how to
+dequantize, transpose (when it can) and slice its own fields.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from .. import kernels
+from ..core.errors import AOQError
+from ..core.tensor import AOQTensor
+
+aten = torch.ops.aten
+
+MATMUL_FUNCTIONS = (
+    torch.matmul,
+    torch.mm,
+    torch.Tensor.matmul,
+    torch.Tensor.mm,
+    torch.Tensor.__matmul__,
+)
+
+
+def _linear(func, types, args, kwargs):
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if not isinstance(w, AOQTensor) or isinstance(x, AOQTensor) or isinstance(bias, AOQTensor):
+        return _dequantized_call(func, args, kwargs)
+    return kernels.linear(x, w, bias)
+
+
+def _embedding(func, types, args, kwargs):
+    names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    bound = dict(zip(names, args), **kwargs)
+    indices, w = bound["input"], bound["weight"]
+    if bound.get("max_norm") is not None or bound.get("sparse"):
+        raise AOQError(f"F.embedding with max_norm or sparse=True is not supported on a {type(w).__name__}")
+    return kernels.embedding(indices, w, bound.get("padding_idx"))
+
+
+def _matmul(func, types, args, kwargs):
+    a, b = args[0], args[1]
+    if isinstance(b, AOQTensor) and not isinstance(a, AOQTensor):
+        w = b.as_linear_weight()
+        if w is not None:
+            return kernels.linear(a, w, None)
+    return _dequantized_call(func, args, kwargs)
+
+
+def _addmm(func, types, args, kwargs):
+    bias, a, b = args[0], args[1], args[2]
+    plain = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1 and len(args) == 3
+    if plain and isinstance(b, AOQTensor) and not isinstance(a, AOQTensor) and not isinstance(bias, AOQTensor):
+        w = b.as_linear_weight()
+        if w is not None:
+            return kernels.linear(a, w, bias)
+    return _dequantized_call(func, args, kwargs)
+
+
+def _dequantized_call(func, args, kwargs):
+    """Run `func` on dequantized operands: correct for any op, fast for none."""
+    ref = next((a for a in args if isinstance(a, torch.Tensor) and not isinstance(a, AOQTensor)), None)
+
+    def plain(t):
+        if not isinstance(t, AOQTensor):
+            return t
+        return t.dequantize(ref.dtype if ref is not None and ref.is_floating_point() else None)
+
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*[plain(a) for a in args], **{k: plain(v) for k, v in kwargs.items()})
+
+
+def _slice(func, types, args, kwargs):
+    self = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    size = self.shape[dim]
+    dim = dim % self.ndim
+    start = 0 if start is None else (start + size if start < 0 else min(start, size))
+    end = size if end is None or end == sys.maxsize else (end + size if end < 0 else min(end, size))
+    if step != 1:
+        raise AOQError(f"{type(self).__name__} supports slicing with step 1 only, got step {step}")
+    if start == 0 and end == size:
+        return return_and_correct_aliasing(func, args, kwargs, self.apply_to_tensors(aten.alias.default))
+    return self.to_canonical().slice_fields(dim, start, end)
+
+
+def check_weight(weight: torch.Tensor, name: str) -> None:
+    """A weight that `from_float` can take: a plain 2-D float tensor."""
+    if isinstance(weight, AOQTensor):
+        raise AOQError(f"{name} is already quantized ({type(weight).__name__})")
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise AOQError(f"{name}: expected a 2-D weight, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
+
+
+def register_weight_ops(cls: type[AOQTensor]) -> type[AOQTensor]:
+    """Give a quantized weight type the linear, embedding, matmul and slicing ops."""
+    cls.implements_torch_function(F.linear)(_linear)
+    cls.implements_torch_function(F.embedding)(_embedding)
+    cls.implements_torch_function(*MATMUL_FUNCTIONS)(_matmul)
+    cls.implements_torch_function(torch.addmm, torch.Tensor.addmm)(_addmm)
+    cls.implements(aten.slice.Tensor)(_slice)
+    return cls
+
+
+def register_transpose(cls: type[AOQTensor]) -> type[AOQTensor]:
+    """For types whose fields are all 2-D per-block grids: transpose every field and the block."""
+
+    def _t(func, types, args, kwargs):
+        self = args[0]
+        if func is aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]:
+            raise AOQError(f"{type(self).__name__} can only swap its two dimensions")
+        out = self.replace(
+            qdata=self.qdata.t(),
+            scale=self.scale.t(),
+            block_size=tuple(reversed(self.block_size)),
+            shape=tuple(reversed(self.shape)),
+        )
+        return return_and_correct_aliasing(func, args, kwargs, out)
+
+    cls.implements(aten.t.default, aten.transpose.int)(_t)
+    return cls
+
+
+# ---------------------------------------------------------------------- block-grid fields
+# Int4, Int8 and Float8 all hold `qdata` (codes, maybe several per byte along the last dim)
+# and per-block `scale` (and `zero`) grids of shape (N / block[0], K / block[1]). Slicing and
+# row gathers are the same operation on all of them.
+
+def _grid_names(t) -> list[str]:
+    return [n for n in ("scale", "zero") if getattr(t, n, None) is not None]
+
+
+def slice_grid(t, dim: int, start: int, end: int, codes_per_byte: int = 1):
+    block = list(t.block_size)
+    full = t.shape[dim]
+    b = block[dim]
+    changes = {}
+    if b == full:  # one block spans the dim: the grid is kept, the block shrinks
+        block[dim] = end - start
+    elif start % b or end % b:
+        raise AOQError(
+            f"{type(t).__name__}: slice [{start}:{end}] of dim {dim} must align with its block size {b}"
+        )
+    else:
+        for n in _grid_names(t):
+            changes[n] = getattr(t, n).narrow(dim, start // b, (end - start) // b)
+    per = codes_per_byte if dim == t.ndim - 1 else 1
+    if start % per or end % per:
+        raise AOQError(f"{type(t).__name__}: slice [{start}:{end}] of dim {dim} must be a multiple of {per}")
+    changes["qdata"] = t.qdata.narrow(dim, start // per, (end - start) // per)
+    shape = list(t.shape)
+    shape[dim] = end - start
+    return t.replace(shape=tuple(shape), block_size=tuple(block), **changes)
+
+
+def select_grid_rows(t, rows: torch.Tensor):
+    block = list(t.block_size)
+    changes = {"qdata": t.qdata.index_select(0, rows)}
+    if block[0] == t.shape[0]:
+        block[0] = rows.numel()
+    elif block[0] == 1:
+        for n in _grid_names(t):
+            changes[n] = getattr(t, n).index_select(0, rows)
+    else:
+        raise AOQError(f"{type(t).__name__}: row lookup needs a block of 1 row or all rows, not {block[0]}")
+    return t.replace(shape=(rows.numel(), t.shape[1]), block_size=tuple(block), **changes)

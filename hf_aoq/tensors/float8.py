@@ -1,0 +1,80 @@
+"""Float8Tensor: e4m3fn or e5m2 weights scaled per tensor or per row, weight-only or with
+dynamic float8 activations.
+
+Canonical layout (what is saved):
+    qdata      float8 [N, K]
+    scale      float32 [1, 1] (per tensor) or [N, 1] (per row);  w = q * scale
+    act_quant  None (weight-only), "per_tensor" or "per_row" (activations quantized at run time,
+               in `act_dtype`, which defaults to qdata's dtype)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.errors import AOQError
+from ..core.granularity import PerRow, PerTensor
+from ..core.primitives import FLOAT8_DTYPES, choose_scale_float8, dequantize_float8, quantize_float8
+from ..core.tensor import AOQTensor
+from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
+
+ACT_QUANTS = (None, "per_tensor", "per_row")
+
+
+@register_transpose
+@register_weight_ops
+class Float8Tensor(AOQTensor):
+    tensor_data_names = ("qdata", "scale")
+    tensor_attribute_names = ("block_size", "shape", "dtype")
+    optional_tensor_attribute_names = ("act_quant", "act_dtype")
+    schema_version = 1
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        float8_dtype: torch.dtype = torch.float8_e4m3fn,
+        granularity: PerRow | PerTensor = PerRow(),
+        act_quant: str | None = None,
+        act_dtype: torch.dtype | None = None,
+        *,
+        name: str = "weight",
+    ):
+        check_weight(weight, name)
+        if act_quant not in ACT_QUANTS:
+            raise AOQError(f"{name}: Float8Tensor act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
+        for dt in (float8_dtype, act_dtype):
+            if dt is not None and dt not in FLOAT8_DTYPES:
+                raise AOQError(f"{name}: unsupported float8 dtype {dt}; expected one of {FLOAT8_DTYPES}")
+        if not isinstance(granularity, (PerRow, PerTensor)):
+            raise AOQError(f"{name}: Float8Tensor granularity must be PerRow() or PerTensor(), got {granularity!r}")
+        block = granularity.block_size(tuple(weight.shape))
+        scale = choose_scale_float8(weight, block, float8_dtype, name=name)
+        qdata = quantize_float8(weight, block, scale, float8_dtype)
+        return cls(qdata, scale, block, weight.shape, weight.dtype, act_quant=act_quant, act_dtype=act_dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_float8(self.qdata, self.block_size, self.scale, dtype or self.dtype)
+
+    def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float8 codes and float32 scales for a 2-D activation, by `act_quant`."""
+        f8 = self.act_dtype or self.qdata.dtype
+        block = (1, x2.shape[1]) if self.act_quant == "per_row" else tuple(x2.shape)
+        amax = x2.float().abs().amax(dim=1 if self.act_quant == "per_row" else (0, 1), keepdim=True)
+        scale = (amax / torch.finfo(f8).max).clamp(min=1e-12)
+        return quantize_float8(x2, block, scale, f8), scale
+
+    def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant is None:
+            return x
+        x2 = x.reshape(-1, x.shape[-1])
+        codes, scale = self.quantize_input(x2)
+        return (codes.float() * scale).to(x.dtype).reshape(x.shape)
+
+    def as_linear_weight(self) -> "Float8Tensor":
+        return self.t()
+
+    def select_rows(self, rows: torch.Tensor) -> "Float8Tensor":
+        return select_grid_rows(self, rows)
+
+    def slice_fields(self, dim: int, start: int, end: int) -> "Float8Tensor":
+        return slice_grid(self, dim, start, end)

@@ -1,0 +1,80 @@
+"""Int4Tensor: 4-bit weights in groups along the input dimension, asymmetric or symmetric.
+
+Canonical layout (what is saved):
+    qdata   uint8 [N, K/2]   two codes per byte, low nibble = even k
+    scale   [N, K/g]         in the weight's dtype
+    zero    [N, K/g] or None the value that code 8 stands for; None = symmetric (zero 0)
+    w = (q - 8) * scale + zero
+
+Device packings (`packing` attribute) rearrange qdata for aten's int4 kernels and hold scale
+and zero together as [K/g, N, 2]; they are made by `place()` and undone by `to_canonical()`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..core.errors import AOQError
+from ..core.primitives import choose_qparams_affine, dequantize_affine, pack_int4, quantize_affine, unpack_int4
+from ..core.tensor import AOQTensor
+from .common import check_weight, register_weight_ops, select_grid_rows, slice_grid
+
+GROUP_SIZES = (32, 64, 128, 256)
+QMIN, QMAX = 0, 15
+
+
+@register_weight_ops
+class Int4Tensor(AOQTensor):
+    tensor_data_names = ("qdata", "scale")
+    tensor_attribute_names = ("block_size", "shape", "dtype")
+    optional_tensor_data_names = ("zero",)
+    optional_tensor_attribute_names = ("packing",)
+    schema_version = 1
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = 128, symmetric: bool = False, *, name: str = "weight"):
+        check_weight(weight, name)
+        if group_size not in GROUP_SIZES:
+            raise AOQError(f"{name}: int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
+        n, k = weight.shape
+        if k % group_size:
+            raise AOQError(f"{name}: group_size {group_size} does not divide the input dimension {k} (shape {n}x{k})")
+        block = (1, group_size)
+        scale, zero = choose_qparams_affine(
+            weight, block, QMIN, QMAX, symmetric=symmetric, param_dtype=weight.dtype, name=name
+        )
+        codes = quantize_affine(weight, block, scale, zero, QMIN, QMAX, torch.uint8)
+        return cls(pack_int4(codes), scale, block, weight.shape, weight.dtype, zero=zero)
+
+    @property
+    def group_size(self) -> int:
+        return self.block_size[-1]
+
+    def codes(self) -> torch.Tensor:
+        """The uint8 codes in [0, 15], shape [N, K]."""
+        return unpack_int4(self.to_canonical().qdata)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        c = self.to_canonical()
+        return dequantize_affine(unpack_int4(c.qdata), c.block_size, c.scale, c.zero, QMIN, QMAX, dtype or self.dtype)
+
+    def to_canonical(self) -> "Int4Tensor":
+        return self if self.packing is None else kernels.get_packing(self.packing).unpack(self)
+
+    def place(self) -> "Int4Tensor":
+        canonical = self.to_canonical()
+        packing = kernels.best_packing(canonical)
+        if packing is None:
+            return canonical
+        return self if packing.name == self.packing else packing.pack(canonical)
+
+    def _to_device(self, device: torch.device) -> "Int4Tensor":
+        moved = self.to_canonical().apply_to_tensors(lambda t: t.to(device))
+        return moved.place() if self.packing is not None else moved
+
+    def select_rows(self, rows: torch.Tensor) -> "Int4Tensor":
+        return select_grid_rows(self.to_canonical(), rows)
+
+    def slice_fields(self, dim: int, start: int, end: int) -> "Int4Tensor":
+        return slice_grid(self, dim, start, end, codes_per_byte=2)
+

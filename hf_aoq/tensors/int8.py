@@ -1,0 +1,69 @@
+"""Int8Tensor: symmetric 8-bit weights per row or per group, weight-only or with dynamic
+per-token int8 activations.
+
+Canonical layout (what is saved):
+    qdata      int8 [N, K]        codes in [-127, 127]
+    scale      float32 [N, K/g]   g = K for per row;  w = q * scale
+    act_quant  None (weight-only) or "per_token" (activations quantized at run time)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.errors import AOQError
+from ..core.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
+from ..core.tensor import AOQTensor
+from ..kernels.common import quantize_int8_per_token
+from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
+
+QMIN, QMAX = -127, 127
+ACT_QUANTS = (None, "per_token")
+
+
+@register_transpose
+@register_weight_ops
+class Int8Tensor(AOQTensor):
+    tensor_data_names = ("qdata", "scale")
+    tensor_attribute_names = ("block_size", "shape", "dtype")
+    optional_tensor_attribute_names = ("act_quant",)
+    schema_version = 1
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        group_size: int | None = None,
+        act_quant: str | None = None,
+        *,
+        name: str = "weight",
+    ):
+        check_weight(weight, name)
+        if act_quant not in ACT_QUANTS:
+            raise AOQError(f"{name}: Int8Tensor act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
+        n, k = weight.shape
+        if group_size is not None and (not isinstance(group_size, int) or group_size <= 0 or k % group_size):
+            raise AOQError(f"{name}: group_size {group_size} does not divide the input dimension {k} (shape {n}x{k})")
+        if act_quant is not None and group_size not in (None, k):
+            raise AOQError(f"{name}: dynamic int8 activations need a per-row weight scale, not group_size {group_size}")
+        block = (1, group_size or k)
+        scale, _ = choose_qparams_affine(weight, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name)
+        codes = quantize_affine(weight, block, scale, None, QMIN, QMAX, torch.int8)
+        return cls(codes, scale, block, weight.shape, weight.dtype, act_quant=act_quant)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize_affine(self.qdata, self.block_size, self.scale, None, QMIN, QMAX, dtype or self.dtype)
+
+    def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant is None:
+            return x
+        codes, scale = quantize_int8_per_token(x.reshape(-1, x.shape[-1]))
+        return (codes.float() * scale).to(x.dtype).reshape(x.shape)
+
+    def as_linear_weight(self) -> "Int8Tensor":
+        return self.t()
+
+    def select_rows(self, rows: torch.Tensor) -> "Int8Tensor":
+        return select_grid_rows(self, rows)
+
+    def slice_fields(self, dim: int, start: int, end: int) -> "Int8Tensor":
+        return slice_grid(self, dim, start, end)
