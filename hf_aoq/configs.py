@@ -24,6 +24,7 @@ from torch import nn
 from .core.errors import AOQError
 from .core.granularity import PerRow, PerTensor
 from .core.primitives import FLOAT8_DTYPES
+from .core.registry import register_config_type
 from .tensors import Float8Tensor, Int4Tensor, Int8Tensor
 from .tensors.int4 import GROUP_SIZES
 
@@ -35,6 +36,7 @@ class AOQBaseConfig:
         raise NotImplementedError
 
 
+@register_config_type
 @dataclass(frozen=True)
 class Int4WeightOnlyConfig(AOQBaseConfig):
     group_size: int = 128
@@ -48,6 +50,7 @@ class Int4WeightOnlyConfig(AOQBaseConfig):
         return Int4Tensor.from_float(weight, self.group_size, self.symmetric, name=name)
 
 
+@register_config_type
 @dataclass(frozen=True)
 class Int8WeightOnlyConfig(AOQBaseConfig):
     group_size: int | None = None  # None: one scale per row
@@ -60,6 +63,7 @@ class Int8WeightOnlyConfig(AOQBaseConfig):
         return Int8Tensor.from_float(weight, self.group_size, name=name)
 
 
+@register_config_type
 @dataclass(frozen=True)
 class Int8DynamicActivationInt8WeightConfig(AOQBaseConfig):
     """int8 per-row weights; activations quantized per token at run time."""
@@ -78,6 +82,7 @@ def _check_granularity(owner: str, granularity) -> None:
         raise AOQError(f"{owner}.granularity must be PerRow() or PerTensor(), got {granularity!r}")
 
 
+@register_config_type
 @dataclass(frozen=True)
 class Float8WeightOnlyConfig(AOQBaseConfig):
     weight_dtype: torch.dtype = torch.float8_e4m3fn
@@ -91,6 +96,7 @@ class Float8WeightOnlyConfig(AOQBaseConfig):
         return Float8Tensor.from_float(weight, self.weight_dtype, self.granularity, name=name)
 
 
+@register_config_type
 @dataclass(frozen=True)
 class Float8DynamicActivationFloat8WeightConfig(AOQBaseConfig):
     """float8 weights; activations quantized to float8 at run time with the same granularity."""

@@ -68,11 +68,24 @@ def _int8_weight_only_applies(x, w) -> bool:
     return HAS_INT8_WEIGHT_MM and x.device.type == "cpu" and w.act_quant is None and _per_row(w) and x.dtype in FLOATS
 
 
+@torch.library.custom_op("hf_aoq::int8pack_mm", mutates_args=())
+def _int8pack_mm_opaque(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return aten._weight_int8pack_mm(x2, qdata, scale)
+
+
+@_int8pack_mm_opaque.register_fake
+def _(x2, qdata, scale):
+    return x2.new_empty(x2.shape[0], qdata.shape[0])
+
+
 @register_kernel("linear", "Int8Tensor", "cpu_int8pack_mm", backend="cpu", priority=10, applies=_int8_weight_only_applies)
 def int8_weight_only_cpu_linear(x, w, bias):
     k = w.shape[1]
     scale = w.scale.reshape(-1).to(x.dtype)
-    y = aten._weight_int8pack_mm(x.reshape(-1, k).contiguous(), w.qdata, scale)
+    # Inductor's own lowering of this op fails on unrealized inputs (torch 2.13); an opaque
+    # custom op makes it pass realized buffers. Eager calls aten directly, without the wrapper.
+    mm = _int8pack_mm_opaque if torch.compiler.is_compiling() else aten._weight_int8pack_mm
+    y = mm(x.reshape(-1, k).contiguous(), w.qdata, scale)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])

@@ -14,6 +14,7 @@ import torch
 from ..core.errors import AOQError
 from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import FLOAT8_DTYPES, choose_scale_float8, dequantize_float8, quantize_float8
+from ..core.registry import register_tensor_type
 from ..core.tensor import AOQTensor
 from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
 
@@ -21,6 +22,7 @@ ACT_QUANTS = (None, "per_tensor", "per_row")
 
 
 @register_transpose
+@register_tensor_type
 @register_weight_ops
 class Float8Tensor(AOQTensor):
     tensor_data_names = ("qdata", "scale")

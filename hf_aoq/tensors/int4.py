@@ -16,6 +16,7 @@ import torch
 from .. import kernels
 from ..core.errors import AOQError
 from ..core.primitives import choose_qparams_affine, dequantize_affine, pack_int4, quantize_affine, unpack_int4
+from ..core.registry import register_tensor_type
 from ..core.tensor import AOQTensor
 from .common import check_weight, register_weight_ops, select_grid_rows, slice_grid
 
@@ -23,6 +24,7 @@ GROUP_SIZES = (32, 64, 128, 256)
 QMIN, QMAX = 0, 15
 
 
+@register_tensor_type
 @register_weight_ops
 class Int4Tensor(AOQTensor):
     tensor_data_names = ("qdata", "scale")

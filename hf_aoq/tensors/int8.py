@@ -12,6 +12,7 @@ import torch
 
 from ..core.errors import AOQError
 from ..core.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
+from ..core.registry import register_tensor_type
 from ..core.tensor import AOQTensor
 from ..kernels.common import quantize_int8_per_token
 from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
@@ -21,6 +22,7 @@ ACT_QUANTS = (None, "per_token")
 
 
 @register_transpose
+@register_tensor_type
 @register_weight_ops
 class Int8Tensor(AOQTensor):
     tensor_data_names = ("qdata", "scale")

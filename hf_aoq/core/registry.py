@@ -1,0 +1,78 @@
+"""Allow-lists: the only tensor types, config types and dtypes that metadata or config JSON may
+name. Resolving a name goes through these dicts and nothing else (no getattr on modules, no
+import by name), so a checkpoint cannot make hf_aoq build an object it did not register.
+"""
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+from .errors import FormatError
+
+T = TypeVar("T", bound=type)
+
+TENSOR_TYPES: dict[str, type] = {}
+CONFIG_TYPES: dict[str, type] = {}
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def _register(table: dict[str, type], kind: str, cls: T) -> T:
+    name = cls.__name__
+    if name in table and table[name] is not cls:
+        raise TypeError(f"two {kind} types named {name!r}: {table[name]} and {cls}")
+    table[name] = cls
+    return cls
+
+
+def register_tensor_type(cls: T) -> T:
+    """Class decorator: allow `cls` to be named in checkpoint metadata."""
+    return _register(TENSOR_TYPES, "tensor", cls)
+
+
+def register_config_type(cls: T) -> T:
+    """Class decorator: allow `cls` to be named in config JSON."""
+    return _register(CONFIG_TYPES, "config", cls)
+
+
+def tensor_type(name: str) -> type:
+    try:
+        return TENSOR_TYPES[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown tensor type {name!r}; known: {sorted(TENSOR_TYPES)}") from None
+
+
+def config_type(name: str) -> type:
+    try:
+        return CONFIG_TYPES[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown config type {name!r}; known: {sorted(CONFIG_TYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise FormatError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} cannot be named in hf_aoq metadata") from None
