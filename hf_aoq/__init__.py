@@ -9,6 +9,7 @@ from .configs import (
     Int8WeightOnlyConfig,
 )
 from .core import AOQError, AOQTensor, FormatError, PerGroup, PerRow, PerTensor
+from . import kernels
 from .quantize import quantize_
 from .tensors import Float8Tensor, Int4Tensor, Int8Tensor
 

@@ -79,7 +79,7 @@ def choose_qparams_affine(
     param_dtype: torch.dtype,
     name: str = "tensor",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Min/max (asymmetric) or abs-max (symmetric) scale and zero for each block.
+    """Min/max (asymmetric) or symmetric scale and zero for each block; neither clips.
 
     Returns `(scale, zero)` in `param_dtype`, each of shape `block_shape(x.shape, block_size)`;
     `zero` is None when symmetric. All-zero or constant blocks get a finite, non-zero scale.
@@ -89,12 +89,14 @@ def choose_qparams_affine(
     xb = _blocked(x.float(), block_size)
     dims = _block_dims(x.ndim)
     tiny = torch.finfo(param_dtype).tiny
-    if symmetric:
-        amax = xb.abs().amax(dim=dims)
-        scale = (amax / ((qmax - qmin) / 2)).clamp(min=tiny)
-        return scale.to(param_dtype), None
     lo = xb.amin(dim=dims)
     hi = xb.amax(dim=dims)
+    if symmetric:
+        # The tightest scale that clips nothing: int4 has 7 codes above the midpoint and 8
+        # below, so the side that holds the block's extreme decides.
+        mid = midpoint(qmin, qmax)
+        scale = torch.maximum(hi.clamp(min=0) / (qmax - mid), (-lo).clamp(min=0) / (mid - qmin))
+        return scale.clamp(min=tiny).to(param_dtype), None
     levels = qmax - qmin
     span = hi - lo
     # A constant block has no span; scale by its magnitude so zero stays representable.

@@ -24,7 +24,7 @@ def _int4pack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 def _int4_cpu_available(w) -> bool:
     n, k = w.shape
-    return HAS_INT4_CPU and w.block_size[-1] in INT4_GROUP_SIZES and k % 2 == 0 and n % 2 == 0
+    return HAS_INT4_CPU and w.block_size[-1] in INT4_GROUP_SIZES and n % 16 == 0
 
 
 def pack_int4_for_cpu(w):

@@ -1,0 +1,118 @@
+import pytest
+import torch
+
+from hf_aoq import AOQError, PerGroup, PerRow, PerTensor
+from hf_aoq.core.primitives import (
+    choose_qparams_affine,
+    choose_scale_float8,
+    dequantize_affine,
+    dequantize_float8,
+    pack_int4,
+    quantize_affine,
+    quantize_float8,
+    unpack_int4,
+)
+
+from conftest import sqnr
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("granularity", [PerTensor(), PerRow(), PerGroup(32)])
+def test_int4_affine_roundtrip(symmetric, granularity):
+    torch.manual_seed(0)
+    x = torch.randn(16, 128)
+    block = granularity.block_size(tuple(x.shape))
+    scale, zero = choose_qparams_affine(x, block, 0, 15, symmetric=symmetric, param_dtype=torch.float32)
+    assert (zero is None) == symmetric
+    q = quantize_affine(x, block, scale, zero, 0, 15, torch.uint8)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    y = dequantize_affine(q, block, scale, zero, 0, 15, torch.float32)
+    # Per-element error is at most half a step: nothing is clipped.
+    step = dequantize_affine(torch.full_like(q, 9), block, scale, zero, 0, 15, torch.float32) - dequantize_affine(
+        torch.full_like(q, 8), block, scale, zero, 0, 15, torch.float32
+    )
+    limit = step * 0.5 + 1e-6
+    assert bool(((x - y).abs() <= limit).all())
+    expected = {PerTensor: 10, PerRow: 12, PerGroup: 14}[type(granularity)]
+    assert sqnr(x, y) > expected
+
+
+def test_asymmetric_reproduces_a_grid_exactly():
+    # Values that already lie on a 16-level grid per group (like GGUF Q4_1) come back exactly.
+    torch.manual_seed(0)
+    d = torch.rand(8, 4, 1) + 0.1
+    m = torch.randn(8, 4, 1)
+    codes = torch.randint(0, 16, (8, 4, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # every group spans the full grid
+    x = (codes * d + m).reshape(8, 128)
+    block = (1, 32)
+    scale, zero = choose_qparams_affine(x, block, 0, 15, symmetric=False, param_dtype=torch.float32)
+    q = quantize_affine(x, block, scale, zero, 0, 15, torch.uint8)
+    assert torch.equal(q.reshape(8, 4, 32).float(), codes)
+    assert torch.allclose(dequantize_affine(q, block, scale, zero, 0, 15, torch.float32), x, atol=1e-5)
+
+
+def test_all_zero_and_constant_groups_are_finite():
+    x = torch.zeros(4, 64)
+    x[1] = 3.0
+    x[2, :32] = -2.0
+    for symmetric in (False, True):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            scale, zero = choose_qparams_affine(x, (1, 32), 0, 15, symmetric=symmetric, param_dtype=dtype)
+            assert bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
+            q = quantize_affine(x, (1, 32), scale, zero, 0, 15, torch.uint8)
+            y = dequantize_affine(q, (1, 32), scale, zero, 0, 15, torch.float32)
+            assert bool(torch.isfinite(y).all())
+            # bf16/fp16 scales round, so allow one part in 2**7 of the largest value.
+            assert torch.allclose(y, x, atol=3.0 / 128), (symmetric, dtype)
+    s8 = choose_scale_float8(torch.zeros(4, 16), (1, 16), torch.float8_e4m3fn)
+    assert bool(torch.isfinite(s8).all()) and bool((s8 > 0).all())
+    q8 = quantize_float8(torch.zeros(4, 16), (1, 16), s8, torch.float8_e4m3fn)
+    assert bool((dequantize_float8(q8, (1, 16), s8, torch.float32) == 0).all())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_a_clear_error(bad):
+    x = torch.randn(4, 64)
+    x[2, 5] = bad
+    with pytest.raises(AOQError, match="my.weight.*inf or nan"):
+        choose_qparams_affine(x, (1, 32), 0, 15, symmetric=False, param_dtype=torch.float32, name="my.weight")
+    with pytest.raises(AOQError, match="inf or nan"):
+        choose_scale_float8(x, (1, 64), torch.float8_e4m3fn)
+
+
+def test_block_size_must_divide():
+    with pytest.raises(AOQError, match="does not divide"):
+        choose_qparams_affine(torch.randn(4, 60), (1, 32), 0, 15, symmetric=False, param_dtype=torch.float32)
+    with pytest.raises(AOQError, match="does not divide"):
+        PerGroup(32).block_size((4, 60))
+
+
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("granularity", [PerTensor(), PerRow()])
+def test_float8_roundtrip(f8, granularity):
+    torch.manual_seed(0)
+    x = torch.randn(32, 64) * 5
+    block = granularity.block_size(tuple(x.shape))
+    scale = choose_scale_float8(x, block, f8)
+    q = quantize_float8(x, block, scale, f8)
+    assert q.dtype == f8
+    y = dequantize_float8(q, block, scale, torch.float32)
+    assert sqnr(x, y) > (28 if f8 == torch.float8_e4m3fn else 22)
+    # The abs-max element maps to the top of the float8 range and back exactly.
+    i = x.abs().argmax()
+    assert torch.isclose(y.flatten()[i], x.flatten()[i], rtol=1e-6)
+
+
+def test_float8_rejects_other_dtypes():
+    with pytest.raises(AOQError, match="unsupported float8 dtype"):
+        choose_scale_float8(torch.randn(2, 2), (1, 2), torch.float16)
+
+
+def test_pack_int4_layout():
+    q = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.tolist() == [[0x21, 0x0F]]  # low nibble = even column
+    assert torch.equal(unpack_int4(packed), q)
+    with pytest.raises(AOQError, match="odd"):
+        pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
