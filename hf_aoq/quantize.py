@@ -22,8 +22,8 @@ def quantize_(
 ) -> nn.Module:
     """Replace weights of `model` with quantized tensors, in place; returns `model`.
 
-    A single config applies to the weight of every module for which `filter_fn(module, fqn)`
-    is true (default: every nn.Linear). An FqnToConfig decides per parameter (see
+    A single config applies to the 2-D `weight` of every module for which
+    `filter_fn(module, fqn)` is true (default: every nn.Linear). An FqnToConfig decides per parameter (see
     hf_aoq.configs); `filter_fn`, when given, further restricts which modules it touches.
     A tensor shared by several modules (tied weights) is quantized once and stays shared.
     """
@@ -45,7 +45,8 @@ def quantize_(
                 if filter_fn is not None and not filter_fn(module, module_fqn):
                     cfg = None
             else:
-                cfg = config if pname == "weight" and (filter_fn or _default_filter)(module, module_fqn) else None
+                wanted = pname == "weight" and param.ndim == 2
+                cfg = config if wanted and (filter_fn or _default_filter)(module, module_fqn) else None
             if cfg is not None:
                 plans.append((module, pname, fqn, param, cfg))
 

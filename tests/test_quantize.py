@@ -1,0 +1,223 @@
+"""quantize_ and FqnToConfig on plain nn.Modules; torch.compile against eager."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_aoq import (
+    AOQError,
+    AOQTensor,
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8Tensor,
+    Float8WeightOnlyConfig,
+    FqnToConfig,
+    Int4Tensor,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8Tensor,
+    Int8WeightOnlyConfig,
+    PerTensor,
+    quantize_,
+)
+
+from conftest import sqnr
+
+
+class Block(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+        self.down = nn.Linear(2 * d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.up(self.norm(x)))) + self.q_proj(x)
+
+
+class Tiny(nn.Module):
+    def __init__(self, vocab=128, d=64, tied=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d), Block(d)])
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def tiny(dtype=torch.bfloat16, tied=False):
+    torch.manual_seed(0)
+    return Tiny(tied=tied).to(dtype).eval()
+
+
+IDS = torch.tensor([[1, 5, 9, 77, 3, 0, 127]])
+
+# Logit SQNR floors against the float model (random weights, two residual blocks).
+MODEL_CONFIGS = [
+    (Int4WeightOnlyConfig(32), 16.0),
+    (Int8WeightOnlyConfig(), 36.0),
+    (Int8DynamicActivationInt8WeightConfig(), 30.0),
+    (Float8WeightOnlyConfig(), 25.0),
+    (Float8DynamicActivationFloat8WeightConfig(), 22.0),
+    (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), 22.0),
+]
+
+
+@pytest.mark.parametrize("config,floor", MODEL_CONFIGS, ids=[type(c).__name__ + str(i) for i, (c, _) in enumerate(MODEL_CONFIGS)])
+def test_quantize_model_numerics(config, floor):
+    model = tiny()
+    with torch.no_grad():
+        ref = model(IDS)
+        q = quantize_(copy.deepcopy(model), config)
+        linears = [m for m in q.modules() if isinstance(m, nn.Linear)]
+        assert linears and all(isinstance(m.weight, AOQTensor) for m in linears)
+        assert all(not isinstance(m.bias, AOQTensor) for m in linears if m.bias is not None)
+        assert not isinstance(q.embed.weight, AOQTensor) and not isinstance(q.layers[0].norm.weight, AOQTensor)
+        assert sqnr(ref, q(IDS)) > floor
+
+
+@pytest.mark.parametrize("config", [c for c, _ in MODEL_CONFIGS], ids=[type(c).__name__ + str(i) for i, (c, _) in enumerate(MODEL_CONFIGS)])
+def test_compile_matches_eager(config):
+    # float32, so that the comparison sees the kernels and not bf16 rounding of fused float ops
+    # (which also moves dynamic-activation codes across rounding boundaries).
+    q = quantize_(tiny(torch.float32), config)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        compiled = torch.compile(q, fullgraph=True)
+        for ids in (IDS, IDS[:, :3].repeat(2, 1)):
+            assert sqnr(q(ids), compiled(ids)) > 60
+
+
+def _config_of(p):
+    if isinstance(p, Int4Tensor):
+        return ("int4", p.group_size)
+    if isinstance(p, Int8Tensor):
+        return ("int8", p.act_quant)
+    if isinstance(p, Float8Tensor):
+        return ("fp8",)
+    return None
+
+
+def test_fqn_to_config_precedence():
+    model = tiny(torch.float32)
+    recipe = FqnToConfig({
+        "_default": Int4WeightOnlyConfig(64),
+        "re:layers\\.\\d+\\.q_proj": Int8WeightOnlyConfig(),          # module regex
+        "re:layers\\.1\\.q_proj\\.weight": Float8WeightOnlyConfig(),   # parameter regex beats module regex
+        "layers.0.down": None,                                       # exact module: skip
+        "layers.1.down": Int8DynamicActivationInt8WeightConfig(),     # exact module
+        "layers.1.down.weight": Int4WeightOnlyConfig(32),            # exact parameter beats exact module
+        "re:.*norm.*": Int8WeightOnlyConfig(),                        # never matches norms (not Linear/Embedding)
+        "re:embed": Int8WeightOnlyConfig(),                           # embeddings by regex
+    })
+    quantize_(model, recipe)
+    got = {n: _config_of(p) for n, p in model.named_parameters()}
+    assert got["layers.0.q_proj.weight"] == ("int8", None)
+    assert got["layers.1.q_proj.weight"] == ("fp8",)
+    assert got["layers.0.down.weight"] is None
+    assert got["layers.1.down.weight"] == ("int4", 32)
+    assert got["layers.0.up.weight"] == ("int4", 64)
+    assert got["head.weight"] == ("int4", 64)
+    assert got["layers.1.q_proj.bias"] is None and got["layers.0.down.bias"] is None
+    assert got["layers.0.norm.weight"] is None
+    assert got["embed.weight"] == ("int8", None)
+
+
+def test_exact_bias_name_that_cannot_be_quantized_is_an_error():
+    model = tiny(torch.float32)
+    with pytest.raises(AOQError, match=r"layers.0.q_proj.bias: expected a 2-D weight"):
+        quantize_(model, FqnToConfig({"layers.0.q_proj.bias": Int8WeightOnlyConfig()}))
+
+
+def test_first_matching_regex_wins_and_none_skips():
+    model = tiny(torch.float32)
+    quantize_(model, FqnToConfig({
+        "re:layers\\.0\\..*": None,
+        "re:layers\\..*": Int8WeightOnlyConfig(),
+        "_default": Int4WeightOnlyConfig(32),
+    }))
+    assert not isinstance(model.layers[0].up.weight, AOQTensor)
+    assert isinstance(model.layers[1].up.weight, Int8Tensor)
+    assert isinstance(model.head.weight, Int4Tensor)
+
+
+def test_unknown_exact_names_warn():
+    model = tiny(torch.float32)
+    with pytest.warns(UserWarning, match="layers.9.up"):
+        quantize_(model, FqnToConfig({"layers.9.up": Int8WeightOnlyConfig()}))
+
+
+def test_bad_recipes_are_errors():
+    with pytest.raises(AOQError, match="not a valid regex"):
+        FqnToConfig({"re:(": Int8WeightOnlyConfig()})
+    with pytest.raises(AOQError, match="must be a quantization config or None"):
+        FqnToConfig({"x": "int8"})
+    with pytest.raises(AOQError, match="needs a quantization config"):
+        quantize_(tiny(), "int8")
+
+
+def test_filter_fn_and_single_config():
+    model = tiny(torch.float32)
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.startswith("layers.1"))
+    assert isinstance(model.layers[1].up.weight, Int8Tensor)
+    assert not isinstance(model.layers[0].up.weight, AOQTensor)
+    assert not isinstance(model.head.weight, AOQTensor)
+    # Already-quantized weights are left alone on a second pass.
+    quantize_(model, Int4WeightOnlyConfig(32))
+    assert isinstance(model.layers[1].up.weight, Int8Tensor)
+    assert isinstance(model.layers[0].up.weight, Int4Tensor)
+
+
+def test_tied_weights_stay_tied():
+    model = tiny(torch.float32, tied=True)
+    with torch.no_grad():
+        ref = model(IDS)
+    quantize_(model, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int8WeightOnlyConfig()}))
+    assert model.head.weight is model.embed.weight
+    assert isinstance(model.head.weight, Int8Tensor)
+    with torch.no_grad():
+        assert sqnr(ref, model(IDS)) > 30
+    model = tiny(torch.float32, tied=True)
+    with pytest.raises(AOQError, match="shared with another module"):
+        quantize_(model, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int4WeightOnlyConfig(32)}))
+
+
+def test_module_to_dtype_and_back():
+    model = quantize_(tiny(), Int4WeightOnlyConfig(32))
+    with torch.no_grad():
+        out_bf16 = model(IDS)
+        model.to(torch.float32)
+        w = model.layers[0].up.weight
+        assert isinstance(w, Int4Tensor) and w.dtype == torch.float32 and w.packing == "cpu_int4pack"
+        out_f32 = model(IDS)
+    assert out_f32.dtype == torch.float32
+    assert sqnr(out_f32, out_bf16) > 30
+
+
+def test_state_dict_roundtrip_in_memory():
+    model = quantize_(tiny(), Int4WeightOnlyConfig(32))
+    other = quantize_(tiny(), Int4WeightOnlyConfig(32))
+    with torch.no_grad():
+        for p in other.parameters():
+            if isinstance(p, AOQTensor):
+                for t in p.tensor_fields().values():
+                    t.zero_()
+        other.load_state_dict(model.state_dict())  # copy_ between same-metadata tensors
+        assert torch.equal(other(IDS), model(IDS))
+
+
+def test_quantized_model_runs_under_inference_mode_and_no_grad_only_needed_for_compile():
+    model = quantize_(tiny(), Int8WeightOnlyConfig())
+    with torch.inference_mode():
+        a = model(IDS)
+    b = model(IDS)  # eager with autograd enabled: biases are float parameters
+    assert torch.equal(a, b.detach())
