@@ -89,7 +89,7 @@ def test_cpu_picks_fast_kernels():
     picks = {
         "Int4": (Int4WeightOnlyConfig(64), "cpu_int4pack_mm"),
         "Int8": (Int8WeightOnlyConfig(), "cpu_int8pack_mm"),
-        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), "cpu_int_mm"),
+        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), "cpu_int8pack_mm"),
     }
     for name, (config, kernel) in picks.items():
         q = config.quantize_weight(w).place()
