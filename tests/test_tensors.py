@@ -90,6 +90,8 @@ def test_cpu_picks_fast_kernels():
         "Int4": (Int4WeightOnlyConfig(64), "cpu_int4pack_mm"),
         "Int8": (Int8WeightOnlyConfig(), "cpu_int8pack_mm"),
         "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), "cpu_int8pack_mm"),
+        "Float8": (Float8WeightOnlyConfig(), "cpu_fp8_gemv"),
+        "Float8dyn": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), "cpu_fp8_gemv"),
     }
     for name, (config, kernel) in picks.items():
         q = config.quantize_weight(w).place()
@@ -231,3 +233,22 @@ def test_int8_per_token_activation_quantization_is_what_the_kernel_sees():
     x[1] *= 100  # per-token scales: one loud row does not flatten the others
     xs = q.simulate_input_quantization(x)
     assert sqnr(x[0], xs[0]) > 38 and sqnr(x[2], xs[2]) > 38
+
+
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cpu_kernel_decodes_every_code_exactly(f8):
+    from hf_aoq.kernels.cpu import _FP8_SHIFT_AND_FACTOR, fp8_linear_cpu
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(f8).float()
+    finite = torch.isfinite(values)  # NaN/inf codes are never written by the quantizer
+    shift, factor = _FP8_SHIFT_AND_FACTOR[f8]
+    # K = 1: each output is one decoded code; subnormal codes included.
+    y = fp8_linear_cpu(torch.ones(1, 1), codes.view(256, 1), torch.full((256,), factor), shift)
+    assert torch.equal(y[0][finite], values[finite])
+    # A long row exercises the vectorized loop and its tail.
+    torch.manual_seed(0)
+    row = codes[finite].repeat(3)[:517].reshape(1, -1).contiguous()
+    x = torch.randn(5, row.shape[1])
+    got = fp8_linear_cpu(x, row, torch.full((1,), factor), shift)
+    assert torch.allclose(got, x @ row.view(f8).float().t(), rtol=1e-5, atol=1e-3)
