@@ -31,6 +31,14 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
+# Enum-like string attributes of tensor types: "TypeName.attribute" -> the values metadata may
+# give it. An attribute that is None is never written, so None is not listed.
+ENUMS: dict[str, frozenset[str]] = {
+    "Int4Tensor.packing": frozenset(),  # checkpoints hold the canonical layout only
+    "Int8Tensor.act_quant": frozenset({"per_token"}),
+    "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row"}),
+}
+
 
 def _register(table: dict[str, type], kind: str, cls: T) -> T:
     name = cls.__name__
@@ -76,3 +84,13 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise FormatError(f"dtype {dtype} cannot be named in hf_aoq metadata") from None
+
+
+def enum_value(enum: str, value: str) -> str:
+    """`value` if the allow-list `ENUMS[enum]` ("TypeName.attribute") holds it."""
+    allowed = ENUMS.get(enum)
+    if allowed is None:
+        raise FormatError(f"{enum} is not an enum attribute; known: {sorted(ENUMS)}")
+    if not isinstance(value, str) or value not in allowed:
+        raise FormatError(f"unknown {enum} value {value!r}; known: {sorted(allowed)}")
+    return value

@@ -18,7 +18,7 @@ optional fields, `torch.load(weights_only=True)` registration, and per-class op 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
@@ -37,8 +37,11 @@ class AOQTensor(torch.Tensor):
     tensor_attribute_names: ClassVar[tuple[str, ...]] = ()
     optional_tensor_data_names: ClassVar[tuple[str, ...]] = ()
     optional_tensor_attribute_names: ClassVar[tuple[str, ...]] = ()
-    # Bumped for any change other than adding an optional field; see hf_aoq.serialization.
+    # Bumped for any change other than adding an optional field; see docs/format.md.
     schema_version: ClassVar[int] = 1
+    # {v: upgrade} for every v < schema_version: `upgrade(record) -> record` turns the fields of a
+    # schema-v checkpoint (name -> tensor or attribute value, as stored) into schema v+1 fields.
+    schema_upgraders: ClassVar[Mapping[int, Callable[[dict[str, Any]], dict[str, Any]]]] = {}
 
     # Per-class op tables, filled by `implements` / `implements_torch_function`; each subclass
     # gets its own, and lookups walk the MRO so subclasses inherit and may override.
@@ -57,6 +60,13 @@ class AOQTensor(torch.Tensor):
         missing = [n for n in _WRAPPER_ATTRIBUTES if n not in cls.tensor_attribute_names]
         if missing:
             raise TypeError(f"{cls.__name__}: tensor_attribute_names must include {missing}")
+        version = cls.schema_version
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise TypeError(f"{cls.__name__}: schema_version must be an int >= 1, got {version!r}")
+        # Old checkpoints must keep loading: every older schema needs its upgrader.
+        no_upgrader = [v for v in range(1, version) if not callable(cls.schema_upgraders.get(v))]
+        if no_upgrader:
+            raise TypeError(f"{cls.__name__}: schema_version {version} needs schema_upgraders for {no_upgrader}")
         for n in names:
             # A field that shadows a Tensor attribute would be unreadable and would fool
             # hasattr-based checks when unpickling; refuse it at class creation.
@@ -110,7 +120,10 @@ class AOQTensor(torch.Tensor):
         return fields
 
     def __new__(cls, *args, **kwargs):
-        fields = cls._bind(args, kwargs)
+        return cls._wrap(cls._bind(args, kwargs))
+
+    @classmethod
+    def _wrap(cls, fields: Mapping[str, Any]) -> "AOQTensor":
         first = fields[cls.tensor_data_names[0]]
         self = torch.Tensor._make_wrapper_subclass(
             cls, fields["shape"], dtype=fields["dtype"], device=first.device, requires_grad=False
@@ -120,9 +133,29 @@ class AOQTensor(torch.Tensor):
                 setattr(self, name, value)
         return self
 
+    @classmethod
+    def from_checked_fields(cls, fields: Mapping[str, Any]) -> "AOQTensor":
+        """Build from every declared field by name (None where absent) once `check_fields` and
+        the caller have checked them: a loader's fast path past the constructor's own checks.
+        A type that overrides `__new__` or `_bind` is built through its constructor."""
+        if cls.__new__ is not AOQTensor.__new__ or cls._bind.__func__ is not AOQTensor._bind.__func__:
+            return cls(**fields)
+        return cls._wrap(fields)
+
     def __init__(self, *args, **kwargs):
         # Everything happens in __new__; Tensor.__init__ must not see the fields.
         pass
+
+    @classmethod
+    def check_fields(cls, fields: Mapping[str, Any]) -> None:
+        """Raise AOQError if canonical-layout `fields` (every declared name, None where absent)
+        contradict each other; a loader calls this before building a tensor from a file.
+        Types extend it with their own dtype and shape rules; messages name the field."""
+        shape = fields.get("shape")
+        if not isinstance(shape, (tuple, list)) or any(type(d) is not int or d < 0 for d in shape):
+            raise AOQError(f"attribute 'shape': expected a list of non-negative ints, got {shape!r}")
+        if not isinstance(fields.get("dtype"), torch.dtype):
+            raise AOQError(f"attribute 'dtype': expected a torch.dtype, got {fields.get('dtype')!r}")
 
     def fields(self) -> dict[str, Any]:
         """Every declared field by name, in constructor order."""

@@ -174,3 +174,42 @@ def select_grid_rows(t, rows: torch.Tensor):
     else:
         raise AOQError(f"{type(t).__name__}: row lookup needs a block of 1 row or all rows, not {block[0]}")
     return t.replace(shape=(rows.numel(), t.shape[1]), block_size=tuple(block), **changes)
+
+
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_grid_fields(fields, qdata_dtypes: tuple[torch.dtype, ...], codes_per_byte: int = 1) -> None:
+    """Refuse canonical block-grid fields that contradict the attributes (a loader calls this,
+    through `check_fields`, before building a tensor from a checkpoint)."""
+    shape, block, dtype = tuple(fields["shape"]), fields["block_size"], fields["dtype"]
+    if not shape:
+        raise AOQError("attribute 'shape': a quantized weight needs at least one dimension")
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise AOQError(f"attribute 'dtype': {dtype} is not a float dtype of 16 bits or more")
+    if type(block) is not tuple or len(block) != len(shape):
+        raise AOQError(f"attribute 'block_size': {block!r} does not match shape {shape}")
+    grid = []
+    for d, b in zip(shape, block):
+        if type(b) is not int or b <= 0 or d % b:
+            raise AOQError(f"attribute 'block_size': {block} does not tile shape {shape}")
+        grid.append(d // b)
+    grid = tuple(grid)
+    qdata = fields["qdata"]
+    if qdata.dtype not in qdata_dtypes:
+        raise AOQError(f"field 'qdata': dtype {qdata.dtype}, expected one of {qdata_dtypes}")
+    if shape[-1] % codes_per_byte:
+        raise AOQError(f"attribute 'shape': last dimension of {shape} is not a multiple of {codes_per_byte}")
+    if qdata.shape != shape[:-1] + (shape[-1] // codes_per_byte,):
+        expected = shape[:-1] + (shape[-1] // codes_per_byte,)
+        raise AOQError(f"field 'qdata': shape {tuple(qdata.shape)}, expected {expected} for shape {shape}")
+    scale, zero = fields["scale"], fields.get("zero")
+    for n, t in (("scale", scale), ("zero", zero)):
+        if t is None:
+            continue
+        if t.dtype not in SCALE_DTYPES:
+            raise AOQError(f"field {n!r}: dtype {t.dtype}, expected one of {SCALE_DTYPES}")
+        if t.shape != grid:
+            raise AOQError(f"field {n!r}: shape {tuple(t.shape)}, expected {grid} (shape / block_size)")
+    if zero is not None and zero.dtype != scale.dtype:
+        raise AOQError(f"field 'zero': dtype {zero.dtype} differs from scale's {scale.dtype}")

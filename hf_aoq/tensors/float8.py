@@ -16,6 +16,7 @@ from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import FLOAT8_DTYPES, choose_scale_float8, dequantize_float8, quantize_float8
 from ..core.registry import register_tensor_type
 from ..core.tensor import AOQTensor
+from .common import check_grid_fields
 from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
 
 ACT_QUANTS = (None, "per_tensor", "per_row")
@@ -53,6 +54,13 @@ class Float8Tensor(AOQTensor):
         scale = choose_scale_float8(weight, block, float8_dtype, name=name)
         qdata = quantize_float8(weight, block, scale, float8_dtype)
         return cls(qdata, scale, block, weight.shape, weight.dtype, act_quant=act_quant, act_dtype=act_dtype)
+
+    @classmethod
+    def check_fields(cls, fields) -> None:
+        super().check_fields(fields)
+        check_grid_fields(fields, FLOAT8_DTYPES)
+        if fields.get("act_dtype") is not None and fields["act_dtype"] not in FLOAT8_DTYPES:
+            raise AOQError(f"attribute 'act_dtype': {fields['act_dtype']} is not one of {FLOAT8_DTYPES}")
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_float8(self.qdata, self.block_size, self.scale, dtype or self.dtype)

@@ -18,6 +18,7 @@ from ..core.errors import AOQError
 from ..core.primitives import choose_qparams_affine, dequantize_affine, pack_int4, quantize_affine, unpack_int4
 from ..core.registry import register_tensor_type
 from ..core.tensor import AOQTensor
+from .common import check_grid_fields
 from .common import check_weight, register_weight_ops, select_grid_rows, slice_grid
 
 GROUP_SIZES = (32, 64, 128, 256)
@@ -47,6 +48,11 @@ class Int4Tensor(AOQTensor):
         )
         codes = quantize_affine(weight, block, scale, zero, QMIN, QMAX, torch.uint8)
         return cls(pack_int4(codes), scale, block, weight.shape, weight.dtype, zero=zero)
+
+    @classmethod
+    def check_fields(cls, fields) -> None:
+        super().check_fields(fields)
+        check_grid_fields(fields, (torch.uint8,), codes_per_byte=2)
 
     @property
     def group_size(self) -> int:

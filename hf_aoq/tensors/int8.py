@@ -15,6 +15,7 @@ from ..core.primitives import choose_qparams_affine, dequantize_affine, quantize
 from ..core.registry import register_tensor_type
 from ..core.tensor import AOQTensor
 from ..kernels.common import quantize_int8_per_token
+from .common import check_grid_fields
 from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
 
 QMIN, QMAX = -127, 127
@@ -51,6 +52,11 @@ class Int8Tensor(AOQTensor):
         scale, _ = choose_qparams_affine(weight, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name)
         codes = quantize_affine(weight, block, scale, None, QMIN, QMAX, torch.int8)
         return cls(codes, scale, block, weight.shape, weight.dtype, act_quant=act_quant)
+
+    @classmethod
+    def check_fields(cls, fields) -> None:
+        super().check_fields(fields)
+        check_grid_fields(fields, (torch.int8,))
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_affine(self.qdata, self.block_size, self.scale, None, QMIN, QMAX, dtype or self.dtype)

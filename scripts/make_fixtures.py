@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Write the format-version-1 fixture checkpoints in tests/fixtures/. Run once, by the first
+release of the format; the files are checked in and NEVER regenerated (the script refuses to
+overwrite them), because their whole point is that old files keep loading. A later format or
+schema version adds new fixtures next to these, written by a copy of this script.
+
+For each fixture file F.safetensors it writes
+  F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
+  F.expected.safetensors   plain tensors: for each quantized tensor N, N.input (x, in N's
+                           dtype), N.dequantized and N.linear; for each plain tensor N, N itself
+and manifest.json, which lists every file's SHA-256 and every tensor's type and attributes.
+
+N.linear is `simulate_input_quantization(x) @ dequantize().T` computed in float64. The inputs
+are chosen so that this sum is exact (checked below), so any machine, BLAS or summation order
+gives the same bits and the tests can compare exactly.
+
+    .venv/bin/python scripts/make_fixtures.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+from fractions import Fraction
+
+import safetensors.torch
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hf_aoq  # noqa: E402
+from hf_aoq import Float8Tensor, Int4Tensor, Int8Tensor, PerRow, PerTensor  # noqa: E402
+from hf_aoq import serialization  # noqa: E402
+from hf_aoq.core import registry  # noqa: E402
+
+FIXTURES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def weight(seed: int, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, :4] = torch.tensor([0.3, -0.2, 0.0, 0.01])  # a few outliers and an exact zero
+    if k > 32:
+        w[1, 32:64] += 0.5  # a group far from zero (exercises the asymmetric zero point)
+    return w.to(dtype)
+
+
+def fixture_input(seed: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    # Few significant bits, so float64 products and sums are exact.
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-4, 5, (3, k), generator=g).float() / 4).to(dtype)
+
+
+def state_dicts() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "v1_int4": {
+            "asym_g32_bf16": Int4Tensor.from_float(weight(1, 16, 128, BF16), group_size=32),
+            "asym_g128_f16": Int4Tensor.from_float(weight(2, 8, 256, F16), group_size=128),
+            "sym_g64_bf16": Int4Tensor.from_float(weight(3, 16, 128, BF16), group_size=64, symmetric=True),
+            "sym_g32_f32": Int4Tensor.from_float(weight(4, 8, 64, F32), group_size=32, symmetric=True),
+            "bias": torch.linspace(-1, 1, 16, dtype=BF16),
+        },
+        "v1_int8": {
+            "per_row_bf16": Int8Tensor.from_float(weight(5, 16, 64, BF16)),
+            "per_group32_f32": Int8Tensor.from_float(weight(6, 8, 128, F32), group_size=32),
+            "per_group64_f16": Int8Tensor.from_float(weight(7, 8, 128, F16), group_size=64),
+            "dynamic_per_token_bf16": Int8Tensor.from_float(weight(8, 16, 64, BF16), act_quant="per_token"),
+        },
+        "v1_float8": {
+            "e4m3_per_tensor_bf16": Float8Tensor.from_float(weight(9, 16, 64, BF16), E4M3, PerTensor()),
+            "e4m3_per_row_f32": Float8Tensor.from_float(weight(10, 8, 64, F32), E4M3, PerRow()),
+            "e5m2_per_row_bf16": Float8Tensor.from_float(weight(11, 16, 64, BF16), E5M2, PerRow()),
+            "e5m2_per_tensor_f16": Float8Tensor.from_float(weight(12, 8, 64, F16), E5M2, PerTensor()),
+            "dynamic_e4m3_per_row_bf16": Float8Tensor.from_float(
+                weight(13, 16, 64, BF16), E4M3, PerRow(), act_quant="per_row"
+            ),
+            "dynamic_e4m3_per_tensor_e5m2_acts_bf16": Float8Tensor.from_float(
+                weight(14, 16, 64, BF16), E4M3, PerRow(), act_quant="per_tensor", act_dtype=E5M2
+            ),
+        },
+        # A small model: one name is a prefix of others (torchao once dropped tensors so).
+        "v1_model": {
+            "model.embed.weight": Float8Tensor.from_float(weight(15, 32, 64, BF16), E4M3, PerRow()),
+            "model.layers.0.proj.weight": Int4Tensor.from_float(weight(16, 16, 64, BF16), group_size=32),
+            "model.layers.0.proj.weight_scale": torch.full((16,), 0.5, dtype=BF16),
+            "model.layers.0.proj.weight_extra": Int8Tensor.from_float(weight(17, 16, 64, BF16)),
+            "model.layers.0.proj.bias": torch.zeros(16, dtype=BF16),
+            "model.norm.weight": torch.ones(64, dtype=F32),
+        },
+    }
+
+
+def reference_linear_f64(w, x: torch.Tensor) -> torch.Tensor:
+    """The reference kernel's answer in float64: inputs quantized as the kernels do, then an
+    exact matmul (see `check_exact`)."""
+    return w.simulate_input_quantization(x).double() @ w.dequantize().double().t()
+
+
+def check_exact(w, x: torch.Tensor, name: str) -> None:
+    """Refuse inputs whose float64 matmul could depend on the summation order: every product
+    must be exact and every partial sum a multiple of 2^-L below 2^(53-L)."""
+    a = w.simulate_input_quantization(x).double().tolist()
+    b = w.dequantize().double().tolist()
+    for row in a:
+        for col in b:
+            products = [Fraction(p) * Fraction(q) for p, q in zip(row, col)]
+            if any(Fraction(float(p)) != p for p in products):
+                raise SystemExit(f"{name}: a float64 product is inexact; pick an input with fewer bits")
+            lsb = max(p.denominator for p in products)
+            if sum(abs(p) for p in products) * lsb >= 2**53:
+                raise SystemExit(f"{name}: a float64 sum could round; pick an input with fewer bits")
+
+
+def describe(t) -> dict:
+    """A quantized tensor's type and attributes in plain JSON (dtypes by registry name)."""
+
+    def plain(v):
+        if isinstance(v, torch.dtype):
+            return registry.dtype_name(v)
+        if isinstance(v, tuple):
+            return list(v)
+        return v
+
+    fields = {n: [registry.dtype_name(f.dtype), list(f.shape)] for n, f in t.tensor_fields().items()}
+    return {
+        "type": type(t).__name__,
+        "schema_version": type(t).schema_version,
+        "fields": fields,
+        "attributes": {n: plain(v) for n, v in t.attributes().items()},
+    }
+
+
+LIST_OF_SCALARS = r"\[\s*((?:[^\[\]{}]|\[[^\[\]{}\n]*\])*?)\s*\]"  # may hold one-line lists
+
+
+def compact_lists(text: str) -> str:
+    """Put each JSON list of scalars (and lists of those) on one line."""
+    while True:
+        shorter = re.sub(LIST_OF_SCALARS, lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+        if shorter == text:
+            return text
+        text = shorter
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=FIXTURES, help="output folder (default tests/fixtures)")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if os.path.exists(os.path.join(args.out, "manifest.json")):
+        raise SystemExit(f"{args.out} already holds fixtures; they are never regenerated (see docs/format.md)")
+
+    manifest = {
+        "about": "Written once by scripts/make_fixtures.py. Never regenerate; see docs/format.md.",
+        "hf_aoq_version": hf_aoq.__version__,
+        "format_version": serialization.FORMAT_VERSION,
+        "torch_version": torch.__version__.split("+")[0],
+        "files": {},
+    }
+    for seed, (stem, sd) in enumerate(state_dicts().items()):
+        path = os.path.join(args.out, stem + ".safetensors")
+        expected_path = os.path.join(args.out, stem + ".expected.safetensors")
+        expected, quantized, plain = {}, {}, []
+        for i, (name, t) in enumerate(sd.items()):
+            if isinstance(t, hf_aoq.AOQTensor):
+                x = fixture_input(1000 * seed + i, t.shape[1], t.dtype)
+                check_exact(t, x, f"{stem}/{name}")
+                expected[f"{name}.input"] = x
+                expected[f"{name}.dequantized"] = t.dequantize()
+                expected[f"{name}.linear"] = reference_linear_f64(t, x)
+                quantized[name] = describe(t)
+            else:
+                expected[name] = t
+                plain.append(name)
+        serialization.save_file(sd, path)
+        safetensors.torch.save_file(expected, expected_path, metadata={"format": "pt"})
+
+        loaded = serialization.load_file(path)  # a fixture that does not round-trip is useless
+        for name, t in sd.items():
+            got = loaded[name]
+            if isinstance(t, hf_aoq.AOQTensor):
+                assert torch.equal(got.dequantize(), expected[f"{name}.dequantized"]), name
+                linear = reference_linear_f64(got, expected[f"{name}.input"])
+                assert torch.equal(linear, expected[f"{name}.linear"]), name
+            else:
+                assert torch.equal(got, t), name
+
+        manifest["files"][stem + ".safetensors"] = {
+            "sha256": sha256(path),
+            "expected": stem + ".expected.safetensors",
+            "expected_sha256": sha256(expected_path),
+            "quantized": quantized,
+            "plain": plain,
+        }
+    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+        f.write(compact_lists(json.dumps(manifest, indent=1)) + "\n")
+    total = sum(os.path.getsize(os.path.join(args.out, n)) for n in os.listdir(args.out))
+    print(f"wrote {len(manifest['files'])} fixtures and their expected outputs to {args.out} ({total / 1e3:.0f} kB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Fuzzing the loader: whatever is done to a checkpoint's header, its hf_aoq metadata or its
+tensors, loading either raises FormatError or returns tensors that work. Never another
+exception, never a hang (every parse here is linear in the input)."""
+import copy
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_aoq import AOQTensor, FormatError
+from hf_aoq import serialization as S
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v1_model.safetensors"
+DATA = FIXTURE.read_bytes()
+(HEADER_LEN,) = struct.unpack("<Q", DATA[:8])
+with safetensors.safe_open(str(FIXTURE), "pt") as _f:
+    METADATA = _f.metadata()
+    TENSORS = _f.get_tensors()
+DOC = json.loads(METADATA[S.METADATA_KEY])
+
+# Deterministic, so CI sees the same examples every run; raise HF_AOQ_FUZZ_EXAMPLES to dig deeper.
+FUZZ = settings(
+    max_examples=int(os.environ.get("HF_AOQ_FUZZ_EXAMPLES", 150)),
+    derandomize=not os.environ.get("HF_AOQ_FUZZ_EXAMPLES"),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def assert_loads_or_refuses(load) -> None:
+    try:
+        state_dict = load()
+    except FormatError:
+        return
+    for name, t in state_dict.items():  # what loads must work
+        if isinstance(t, AOQTensor):
+            out = t.dequantize()
+            assert out.shape == t.shape and out.dtype == t.dtype, name
+
+
+# ---------------------------------------------------------------------- raw bytes
+byte_edits = st.lists(st.tuples(st.integers(0, 8 + HEADER_LEN - 1), st.integers(0, 255)), min_size=1, max_size=6)
+
+
+def load_bytes(data: bytes):
+    fd, path = tempfile.mkstemp(suffix=".safetensors")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return S.load_file(path)
+    finally:
+        os.unlink(path)
+
+
+@FUZZ
+@given(edits=byte_edits, cut=st.none() | st.integers(0, len(DATA)))
+def test_mutated_file_bytes(edits, cut):
+    data = bytearray(DATA)
+    for pos, value in edits:
+        data[pos] = value
+    data = bytes(data if cut is None else data[:cut])
+    assert_loads_or_refuses(lambda: load_bytes(data))
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_header_length_and_padding(data):
+    header = DATA[8 : 8 + HEADER_LEN]
+    length = data.draw(st.integers(0, 2**64 - 1) | st.integers(max(0, HEADER_LEN - 16), HEADER_LEN + 16))
+    pad = data.draw(st.binary(max_size=16))
+    mutated = struct.pack("<Q", length) + header + pad + DATA[8 + HEADER_LEN :]
+    assert_loads_or_refuses(lambda: load_bytes(mutated))
+
+
+# ---------------------------------------------------------------------- hf_aoq metadata
+NAMES = sorted(DOC["tensors"])
+WORDS = st.sampled_from(
+    ["Int4Tensor", "Int8Tensor", "Float8Tensor", "bfloat16", "float8_e5m2", "int32", "uint8", "ints", "int",
+     "F32", "BF16", "U8", "I8", "F8_E4M3", "F4", "data_offsets", "__metadata__",
+     "bool", "dtype", "enum", "per_token", "per_row", "per_tensor", "cpu_int4pack", "qdata", "scale", "zero",
+     "shape", "dtype", "block_size", "act_quant", "act_dtype", "packing", "fields", "attributes", "type",
+     "schema_version", "format_version", "tensors", "__class__", "os.system", ""]
+    + NAMES
+    + [f"{n}:{f}" for n in NAMES for f in ("qdata", "scale", "zero")]
+)
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**65), 2**65)
+    | st.sampled_from([0, 1, 2, -1, 16, 32, 64, 128, 2**63 - 1])
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | WORDS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6) | WORDS, inner, max_size=4),
+    max_leaves=10,
+)
+
+
+def locations(node, out):
+    """Every (container, key) in a JSON tree, where container[key] can be replaced or removed."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out.append((node, k))
+            locations(v, out)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out.append((node, i))
+            locations(v, out)
+    return out
+
+
+def mutate_json(data, doc):
+    """Replace, delete, add or swap one to three nodes of a JSON tree, in place."""
+    for _ in range(data.draw(st.integers(1, 3))):
+        container, key = data.draw(st.sampled_from(locations(doc, [])))
+        op = data.draw(st.sampled_from(["replace", "delete", "add", "swap"]))
+        if op == "replace":
+            container[key] = data.draw(json_values)
+        elif op == "delete":
+            del container[key]
+        elif op == "add" and isinstance(container, dict):
+            container[data.draw(WORDS | st.text(max_size=6))] = data.draw(json_values)
+        elif op == "swap":
+            other, other_key = data.draw(st.sampled_from(locations(doc, [])))
+            container[key], other[other_key] = other[other_key], container[key]
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_metadata_structure(data):
+    doc = copy.deepcopy(DOC)
+    mutate_json(data, doc)
+    metadata = {**METADATA, S.METADATA_KEY: json.dumps(doc)}
+    assert_loads_or_refuses(lambda: S.unflatten_state_dict(TENSORS, metadata, source="fuzz"))
+
+
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, len(METADATA[S.METADATA_KEY])), st.text(max_size=3), st.integers(0, 3)),
+                      min_size=1, max_size=5))
+def test_mutated_metadata_text(edits):
+    text = METADATA[S.METADATA_KEY]
+    for pos, insert, delete in edits:
+        text = text[:pos] + insert + text[pos + delete :]
+    metadata = {**METADATA, S.METADATA_KEY: text}
+    assert_loads_or_refuses(lambda: S.unflatten_state_dict(TENSORS, metadata, source="fuzz"))
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_safetensors_header_structure(data):
+    header = json.loads(DATA[8 : 8 + HEADER_LEN])
+    mutate_json(data, header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    mutated = struct.pack("<Q", len(text)) + text + DATA[8 + HEADER_LEN :]
+    assert_loads_or_refuses(lambda: load_bytes(mutated))
+
+
+# ---------------------------------------------------------------------- stored tensors
+DTYPES = [torch.uint8, torch.int8, torch.int32, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3)
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_tensors(data):
+    tensors = dict(TENSORS)
+    for _ in range(data.draw(st.integers(1, 3))):
+        key = data.draw(st.sampled_from(sorted(tensors)) | WORDS)
+        op = data.draw(st.sampled_from(["replace", "delete", "reshape"]))
+        if op == "delete":
+            tensors.pop(key, None)
+        elif op == "reshape" and key in tensors and tensors[key].dim() == 2:
+            t = tensors[key]
+            tensors[key] = t.reshape(t.shape[1], t.shape[0]) if t.shape[0] != t.shape[1] else t.reshape(-1)
+        else:
+            shape, dtype = data.draw(shapes), data.draw(st.sampled_from(DTYPES))
+            tensors[key] = torch.zeros(shape, dtype=dtype)
+    assert_loads_or_refuses(lambda: S.unflatten_state_dict(tensors, METADATA, source="fuzz"))
