@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AOQBaseConfig",
+    "AOQConfig",
     "AOQError",
     "AOQTensor",
     "Float8DynamicActivationFloat8WeightConfig",
@@ -34,3 +35,7 @@ __all__ = [
     "PerTensor",
     "quantize_",
 ]
+
+# Last, so that everything above (e.g. __version__) exists when it runs: importing it registers
+# AOQConfig and the "aoq" quantizer with transformers.
+from .integrations.transformers import AOQConfig  # noqa: E402

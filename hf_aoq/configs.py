@@ -14,17 +14,20 @@ A hit whose value is None means: leave this parameter as it is. No hit: left as 
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .core.errors import AOQError
+from .core.errors import AOQError, FormatError
 from .core.granularity import PerRow, PerTensor
 from .core.primitives import FLOAT8_DTYPES
-from .core.registry import register_config_type
+from .core.registry import CONFIG_TYPES, config_type, dtype_from_name, dtype_name, register_config_type
 from .tensors import Float8Tensor, Int4Tensor, Int8Tensor
 from .tensors.int4 import GROUP_SIZES
 
@@ -34,6 +37,18 @@ class AOQBaseConfig:
 
     def quantize_weight(self, weight: torch.Tensor, *, name: str = "weight"):
         raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        """This config as strict JSON-ready data: {"type": <class name>, <field>: <value>, ...}."""
+        return _config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "AOQBaseConfig":
+        """Build a config from `to_dict` output; FormatError for unknown types, keys or values."""
+        config = _config_from_dict(data, "config" if cls is AOQBaseConfig else cls.__name__)
+        if not isinstance(config, cls):
+            raise FormatError(f"expected a {cls.__name__}, the JSON names a {type(config).__name__}")
+        return config
 
 
 @register_config_type
@@ -158,3 +173,162 @@ class FqnToConfig:
 
     def exact_keys(self) -> set[str]:
         return set(self._exact)
+
+    def to_dict(self) -> dict[str, Any]:
+        """This recipe as strict JSON-ready data; the mapping's order is kept."""
+        return _fqn_to_config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "FqnToConfig":
+        """Build an FqnToConfig from `to_dict` output; FormatError for anything not allowed."""
+        if not isinstance(data, dict) or data.get("type") != _FQN_TO_CONFIG_TAG:
+            raise FormatError(f'FqnToConfig JSON must be an object with "type": "FqnToConfig", got {data!r}')
+        return _fqn_to_config_from_dict(data, "FqnToConfig")
+
+
+# ---------------------------------------------------------------------- JSON round-trip
+# A recipe is stored as plain JSON (in config.json under "quantization_config"):
+#   a config:     {"type": "<name in CONFIG_TYPES>", "<field>": <value>, ...}
+#   FqnToConfig:  {"type": "FqnToConfig", "mapping": [["<key>", <config or null>], ...]}
+# Field values are JSON scalars or one of two tagged values:
+#   {"dtype": "<name in the dtype allow-list>"}      a torch.dtype
+#   {"granularity": "PerRow" | "PerTensor"}           a granularity
+# The mapping is a list of pairs, not an object, because regex keys are tried in order and JSON
+# writers (transformers' among them) sort object keys. Decoding is strict: a type, dtype or
+# granularity not on the allow-lists, an unknown key, or a value of the wrong type is a
+# FormatError before any config is built. A field missing from the JSON takes its default, so
+# a config may gain a field with a default without breaking older files.
+
+_GRANULARITIES: dict[str, type] = {"PerRow": PerRow, "PerTensor": PerTensor}
+_FQN_TO_CONFIG_TAG = "FqnToConfig"
+
+
+def _encode_value(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        try:
+            return {"dtype": dtype_name(value)}
+        except FormatError as e:
+            raise AOQError(f"{where}: {e}") from None
+    if type(value) in _GRANULARITIES.values():
+        return {"granularity": type(value).__name__}
+    raise AOQError(f"{where}: cannot write {value!r} ({type(value).__name__}) to config JSON")
+
+
+def _decode_value(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, dict) and len(value) == 1:
+        (tag, name), = value.items()
+        if tag == "dtype":
+            try:
+                return dtype_from_name(name)
+            except FormatError as e:
+                raise FormatError(f"{where}: {e}") from None
+        if tag == "granularity":
+            if not isinstance(name, str) or name not in _GRANULARITIES:
+                raise FormatError(f"{where}: unknown granularity {name!r}; known: {sorted(_GRANULARITIES)}")
+            return _GRANULARITIES[name]()
+    raise FormatError(
+        f"{where}: {value!r} is not a bool, int, string, null, {{'dtype': ...}} or {{'granularity': ...}}"
+    )
+
+
+def _allowed_types(cls: type, name: str) -> tuple[type, ...]:
+    hint = typing.get_type_hints(cls)[name]
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else ()
+    return tuple(type(None) if a is None else a for a in (args or (hint,)))
+
+
+def _check_type(value: Any, allowed: tuple[type, ...], where: str) -> None:
+    # bool is an int subclass; a boolean is accepted only where bool is declared.
+    ok = any(isinstance(value, t) for t in allowed) and not (
+        isinstance(value, bool) and bool not in allowed
+    )
+    if not ok:
+        names = " | ".join("None" if t is type(None) else getattr(t, "__name__", str(t)) for t in allowed)
+        raise FormatError(f"{where}: expected {names}, got {value!r}")
+
+
+def _config_to_dict(config: AOQBaseConfig) -> dict[str, Any]:
+    cls = type(config)
+    name = cls.__name__
+    if CONFIG_TYPES.get(name) is not cls or not dataclasses.is_dataclass(config):
+        raise AOQError(f"{name} is not a registered config dataclass; it cannot be written to config JSON")
+    out: dict[str, Any] = {"type": name}
+    for f in dataclasses.fields(config):
+        out[f.name] = _encode_value(getattr(config, f.name), f"{name}.{f.name}")
+    return out
+
+
+def _config_from_dict(data: Any, where: str) -> AOQBaseConfig:
+    if not isinstance(data, dict):
+        raise FormatError(f"{where}: a config must be a JSON object, got {data!r}")
+    name = data.get("type")
+    if name == _FQN_TO_CONFIG_TAG:
+        raise FormatError(f"{where}: an FqnToConfig cannot be nested inside another recipe")
+    try:
+        cls = config_type(name)  # only registered names resolve
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, AOQBaseConfig) and dataclasses.is_dataclass(cls)):
+        raise FormatError(f"{where}: {name!r} is not a quantization config dataclass")
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - fields - {"type"})
+    if unknown:
+        raise FormatError(f"{where}: {name} has no field(s) {unknown}; fields are {sorted(fields)}")
+    kwargs = {}
+    for key in sorted(set(data) - {"type"}):
+        value = _decode_value(data[key], f"{where}.{key}")
+        _check_type(value, _allowed_types(cls, key), f"{where}.{key}")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except AOQError as e:
+        raise FormatError(f"{where}: {e}") from None
+
+
+def _fqn_to_config_to_dict(recipe: "FqnToConfig") -> dict[str, Any]:
+    pairs = []
+    for key, cfg in recipe.mapping.items():
+        pairs.append([key, None if cfg is None else _config_to_dict(cfg)])
+    return {"type": _FQN_TO_CONFIG_TAG, "mapping": pairs}
+
+
+def _fqn_to_config_from_dict(data: dict, where: str) -> "FqnToConfig":
+    unknown = sorted(set(data) - {"type", "mapping"})
+    if unknown:
+        raise FormatError(f"{where}: FqnToConfig has no field(s) {unknown}; fields are ['mapping']")
+    pairs = data.get("mapping")
+    if not isinstance(pairs, list):
+        raise FormatError(f"{where}.mapping: expected a list of [key, config or null] pairs, got {pairs!r}")
+    mapping: dict[str, AOQBaseConfig | None] = {}
+    for i, pair in enumerate(pairs):
+        at = f"{where}.mapping[{i}]"
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise FormatError(f"{at}: expected a [key, config or null] pair, got {pair!r}")
+        key, cfg = pair
+        if key in mapping:
+            raise FormatError(f"{at}: key {key!r} appears twice")
+        mapping[key] = None if cfg is None else _config_from_dict(cfg, f"{at}[{key!r}]")
+    try:
+        return FqnToConfig(mapping)
+    except AOQError as e:
+        raise FormatError(f"{where}: {e}") from None
+
+
+def recipe_to_dict(recipe: "AOQBaseConfig | FqnToConfig") -> dict[str, Any]:
+    """A config or FqnToConfig as strict JSON-ready data (see the comment above)."""
+    if isinstance(recipe, FqnToConfig):
+        return _fqn_to_config_to_dict(recipe)
+    if isinstance(recipe, AOQBaseConfig):
+        return _config_to_dict(recipe)
+    raise AOQError(f"expected a quantization config or FqnToConfig, got {type(recipe).__name__}")
+
+
+def recipe_from_dict(data: Any, *, where: str = "recipe") -> "AOQBaseConfig | FqnToConfig":
+    """Inverse of `recipe_to_dict`; FormatError for anything not allowed."""
+    if isinstance(data, dict) and data.get("type") == _FQN_TO_CONFIG_TAG:
+        return _fqn_to_config_from_dict(data, where)
+    return _config_from_dict(data, where)

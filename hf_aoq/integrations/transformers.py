@@ -1,0 +1,715 @@
+"""hf_aoq as a transformers quantizer: `AOQConfig` and the "aoq" `HfQuantizer`.
+
+`import hf_aoq` registers both with transformers under the quant method "aoq"; then
+
+    from_pretrained(path, quantization_config=AOQConfig(...))   quantizes each weight as it is read
+    save_pretrained(out)                                        writes safetensors + hf_aoq metadata
+    from_pretrained(out)                                        rebuilds the quantized tensors
+    model.dequantize()                                          returns to a float model
+
+Which parameter gets which config is decided once, on the empty (meta) model, before any weight
+is read (`_plan_quantization`, `_read_checkpoint`); the loader then hands over one tensor at a
+time to `AOQQuantize` or `AOQLoad`. Everything else is delegated: configs and their JSON to
+hf_aoq.configs, tensor layouts to the tensor types, the file format to hf_aoq.serialization.
+docs/transformers.md describes the behaviour for users.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import sys
+import warnings
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers.core_model_loading import ConversionOps, WeightConverter, revert_weight_conversion
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers import auto as _auto
+from transformers.quantizers.quantizers_utils import should_convert_module
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .. import serialization
+from ..configs import AOQBaseConfig, FqnToConfig, recipe_from_dict, recipe_to_dict
+from ..core.errors import AOQError, FormatError
+from ..core.registry import DTYPES, tensor_type
+from ..core.tensor import AOQTensor
+
+QUANT_METHOD = "aoq"
+# Version of the "quantization_config" JSON written to config.json (not of the tensor format).
+CONFIG_VERSION = 1
+
+_CONFIG_KEYS = (
+    "quant_method",
+    "version",
+    "quant_type",
+    "modules_to_not_convert",
+    "include_embeddings",
+    "untie_embedding_weights",
+    "dequantize",
+)
+
+
+class AOQConfig(QuantizationConfigMixin):
+    """How transformers should quantize a model while loading it, or load an "aoq" checkpoint.
+
+    quant_type               a quantization config (for every nn.Linear weight) or an FqnToConfig
+    modules_to_not_convert   module names or regexes never quantized, matched as transformers does
+                             (from the start of a name up to a dot, or as a suffix)
+    include_embeddings       also quantize the input embedding and the output embedding (lm_head)
+    untie_embedding_weights  when the model ties them, give the output embedding its own weight
+    dequantize               load an "aoq" checkpoint as a float model (quant_type may be None)
+    """
+
+    def __init__(
+        self,
+        quant_type: AOQBaseConfig | FqnToConfig | None = None,
+        modules_to_not_convert: list[str] | None = None,
+        include_embeddings: bool = False,
+        untie_embedding_weights: bool = False,
+        dequantize: bool = False,
+    ):
+        for name, value in (
+            ("include_embeddings", include_embeddings),
+            ("untie_embedding_weights", untie_embedding_weights),
+            ("dequantize", dequantize),
+        ):
+            if not isinstance(value, bool):
+                raise AOQError(f"AOQConfig.{name} must be True or False, got {value!r}")
+        if quant_type is None and not dequantize:
+            raise AOQError("AOQConfig needs a quant_type: a quantization config or an FqnToConfig")
+        if quant_type is not None and not isinstance(quant_type, (AOQBaseConfig, FqnToConfig)):
+            kind = type(quant_type).__name__
+            raise AOQError(f"AOQConfig.quant_type must be a quantization config or an FqnToConfig, got {kind}")
+        if modules_to_not_convert is not None:
+            skips = modules_to_not_convert
+            if isinstance(skips, str) or not all(isinstance(m, str) for m in skips):
+                raise AOQError(f"AOQConfig.modules_to_not_convert must be a list of strings, got {skips!r}")
+            for pattern in skips:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise AOQError(f"AOQConfig.modules_to_not_convert: {pattern!r} is not a valid regex: {e}") from None
+            modules_to_not_convert = list(skips)
+        self.quant_method = QUANT_METHOD
+        self.quant_type = quant_type
+        self.modules_to_not_convert = modules_to_not_convert
+        self.include_embeddings = include_embeddings
+        self.untie_embedding_weights = untie_embedding_weights
+        self.dequantize = dequantize
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole recipe as strict JSON-ready data (what config.json stores)."""
+        skips = self.modules_to_not_convert
+        return {
+            "quant_method": QUANT_METHOD,
+            "version": CONFIG_VERSION,
+            "quant_type": None if self.quant_type is None else recipe_to_dict(self.quant_type),
+            "modules_to_not_convert": None if skips is None else list(skips),
+            "include_embeddings": self.include_embeddings,
+            "untie_embedding_weights": self.untie_embedding_weights,
+            "dequantize": self.dequantize,
+        }
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs):
+        """Inverse of `to_dict`. Strict: an unknown key, type or value is a FormatError.
+
+        `kwargs` naming an AOQConfig argument override the dict (transformers' convention); the
+        rest are returned when `return_unused_kwargs` is set.
+        """
+        where = "quantization_config"
+        if not isinstance(config_dict, dict):
+            raise FormatError(f"{where} must be a JSON object, got {type(config_dict).__name__}")
+        unknown = sorted(set(config_dict) - set(_CONFIG_KEYS))
+        if unknown:
+            raise FormatError(f"{where}: unknown key(s) {unknown}; an aoq config has {list(_CONFIG_KEYS)}")
+        method = config_dict.get("quant_method")
+        if method != QUANT_METHOD:
+            raise FormatError(f"{where}: quant_method must be {QUANT_METHOD!r}, got {method!r}")
+        version = config_dict.get("version", CONFIG_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= CONFIG_VERSION:
+            raise FormatError(
+                f"{where}: version {version!r} is not one this hf_aoq reads (1..{CONFIG_VERSION}); "
+                f"a newer hf_aoq may have written it"
+            )
+        if "quant_type" not in config_dict:
+            raise FormatError(f"{where}: missing quant_type")
+        args: dict[str, Any] = {}
+        recipe = config_dict["quant_type"]
+        args["quant_type"] = None if recipe is None else recipe_from_dict(recipe, where=f"{where}.quant_type")
+        skips = config_dict.get("modules_to_not_convert")
+        if skips is not None and not (isinstance(skips, list) and all(isinstance(s, str) for s in skips)):
+            raise FormatError(f"{where}.modules_to_not_convert: expected a list of strings or null, got {skips!r}")
+        args["modules_to_not_convert"] = skips
+        for key in ("include_embeddings", "untie_embedding_weights", "dequantize"):
+            value = config_dict.get(key, False)
+            if not isinstance(value, bool):
+                raise FormatError(f"{where}.{key}: expected true or false, got {value!r}")
+            args[key] = value
+        unused = {}
+        for key, value in kwargs.items():
+            if key in args:
+                args[key] = value
+            else:
+                unused[key] = value
+        try:
+            config = cls(**args)
+        except FormatError:
+            raise
+        except AOQError as e:
+            raise FormatError(f"{where}: {e}") from None
+        return (config, unused) if return_unused_kwargs else config
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """What a config passed to from_pretrained may change on a checkpoint's config."""
+        return {"dequantize": self.dequantize}
+
+    def __eq__(self, other):
+        return isinstance(other, AOQConfig) and self.to_dict() == other.to_dict()
+
+    __hash__ = None
+
+
+def _module_names(model: nn.Module, target: nn.Module | None) -> set[str]:
+    if target is None:
+        return set()
+    return {name for name, module in model.named_modules(remove_duplicate=False) if module is target}
+
+
+def _parent(param_name: str) -> tuple[str, str]:
+    module_name, _, leaf = param_name.rpartition(".")
+    return module_name, leaf
+
+
+class AOQHfQuantizer(HfQuantizer):
+    """The "aoq" quantizer. Its state is the per-parameter plan made before weights are read."""
+
+    requires_calibration = False
+    quantization_config: AOQConfig
+
+    def __init__(self, quantization_config: AOQConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self._configs: dict[str, AOQBaseConfig] = {}  # quantize-on-load: parameter -> config
+        self._entries: dict[str, Any] = {}  # pre-quantized: parameter -> serialization.TensorEntry
+        self._nbytes: dict[str, int] = {}  # parameter -> bytes it takes once quantized
+        self._linear_only: set[str] = set()  # parameters read only by nn.Linear: placed for a kernel
+        self._untied: dict[str, str] = {}  # input embedding weight -> output weight made from it
+        self._serialized: dict[str, list[str]] = {}  # parameter leaf name -> stored key suffixes
+        self._source = "<checkpoint>"  # names the checkpoint in errors
+
+    # ------------------------------------------------------------------ setup
+    def validate_environment(self, device_map=None, **kwargs):
+        config = self.quantization_config
+        if not self.pre_quantized and config.dequantize:
+            raise AOQError(
+                "AOQConfig(dequantize=True) loads an aoq checkpoint as float; this checkpoint is not quantized"
+            )
+        if not self.pre_quantized and config.quant_type is None:
+            raise AOQError("AOQConfig needs a quant_type to quantize a float checkpoint")
+        if isinstance(device_map, dict) and "disk" in device_map.values():
+            raise AOQError(
+                "hf_aoq cannot offload quantized weights to disk (device_map has 'disk' entries); "
+                "give the model more device or CPU memory, or use a smaller recipe"
+            )
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if self.pre_quantized:
+            self._read_checkpoint(model, checkpoint_files)
+        else:
+            self._plan_quantization(model)
+        planned = set(self._configs) | set(self._entries)
+        self._linear_only = {name for name in planned if self._read_only_by_linear(model, name)}
+
+    def _read_only_by_linear(self, model, name: str) -> bool:
+        """Placement (repacking for a kernel) is for weights that only F.linear reads."""
+        tied = getattr(model, "all_tied_weights_keys", {}) or {}
+        names = {name} | {t for t, s in tied.items() if s == name} | ({tied[name]} if name in tied else set())
+        return all(isinstance(model.get_submodule(_parent(n)[0]), nn.Linear) for n in names)
+
+    # ------------------------------------------------------------------ quantize-on-load plan
+    def _plan_quantization(self, model) -> None:
+        config = self.quantization_config
+        recipe = config.quant_type
+        embeddings = _module_names(model, model.get_input_embeddings()) | _module_names(
+            model, model.get_output_embeddings()
+        )
+        user_skips = list(config.modules_to_not_convert or [])
+        # transformers' own default: the output embedding, the last module and tied weights.
+        default_skips = set(self.get_modules_to_not_convert(model, None, model._keep_in_fp32_modules))
+        if config.include_embeddings:
+            default_skips -= embeddings
+        default_skips = sorted(default_skips)
+        if config.untie_embedding_weights:
+            self._untie_embeddings(model)
+        exact = recipe.exact_keys() if isinstance(recipe, FqnToConfig) else set()
+
+        named_seen: set[str] = set()
+        sizes: dict[tuple, int] = {}
+        for module_name, module in model.named_modules():
+            for leaf, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{leaf}" if module_name else leaf
+                named = name in exact or (leaf == "weight" and module_name in exact)
+                if named:
+                    named_seen.update({name, module_name} & exact)
+                if _skipped(module_name, name, user_skips):
+                    continue  # the user's skips win over everything
+                if not named and _skipped(module_name, name, default_skips):
+                    continue  # transformers' default skips give way to an exact name only
+                cfg = self._resolve(recipe, name, module_name, module, leaf, module_name in embeddings)
+                if cfg is None:
+                    continue
+                if param.ndim != 2 or not param.is_floating_point():
+                    kind = " (fused MoE experts are 3-D)" if param.ndim == 3 else ""
+                    raise AOQError(
+                        f"{name}: cannot quantize a {param.ndim}-D {param.dtype} parameter of shape "
+                        f"{tuple(param.shape)}; hf_aoq's tensor types hold 2-D float weights{kind}"
+                    )
+                self._configs[name] = cfg
+                key = (cfg, tuple(param.shape), param.dtype)
+                if key not in sizes:
+                    sizes[key] = _quantized_nbytes(cfg, tuple(param.shape), param.dtype, name)
+                self._nbytes[name] = sizes[key]
+
+        unused = exact - named_seen
+        if unused:
+            warnings.warn(f"FqnToConfig names that match no parameter or module: {sorted(unused)}", stacklevel=2)
+        self._check_tied(model)
+        try:
+            _check_not_renamed(model, list(self._configs))
+        except AOQError as e:  # fine in memory; say so now rather than at save_pretrained
+            warnings.warn(f"{e}. The quantized model works, but save_pretrained will refuse it.", stacklevel=2)
+
+    def _resolve(self, recipe, name, module_name, module, leaf, is_embedding) -> AOQBaseConfig | None:
+        """The config for one parameter that no skip list excludes (see docs/transformers.md)."""
+        include_embeddings = self.quantization_config.include_embeddings
+        if isinstance(recipe, FqnToConfig):
+            hit, cfg = recipe.resolve(name, module_name, module, leaf)
+            if not hit and include_embeddings and is_embedding and leaf == "weight":
+                cfg = recipe.mapping.get("_default")
+            return cfg
+        if leaf != "weight":
+            return None
+        if isinstance(module, nn.Linear) or (include_embeddings and is_embedding):
+            return recipe
+        return None
+
+    def _untie_embeddings(self, model) -> None:
+        """Give the output embedding its own weight, made from the input embedding's on load."""
+        inputs = {f"{n}.weight" for n in _module_names(model, model.get_input_embeddings())}
+        outputs = {f"{n}.weight" for n in _module_names(model, model.get_output_embeddings())}
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        for target, source in list(tied.items()):
+            pair = {target, source}
+            if pair & inputs and pair & outputs:
+                del tied[target]
+                src, dst = (source, target) if source in inputs else (target, source)
+                self._untied[src] = dst
+        if self._untied:
+            model.config.get_text_config(decoder=True).tie_word_embeddings = False
+            model.config.tie_word_embeddings = False
+
+    def _check_tied(self, model) -> None:
+        """Tied parameters share one tensor: quantized once, with the source's config."""
+        for target, source in (getattr(model, "all_tied_weights_keys", {}) or {}).items():
+            t_cfg, s_cfg = self._configs.get(target), self._configs.get(source)
+            if t_cfg != s_cfg:
+                raise AOQError(
+                    f"{target} is tied to {source}, but they resolve to different configs ({t_cfg} and {s_cfg}); "
+                    f"pass untie_embedding_weights=True to give them separate weights, or give both the same config"
+                )
+            # Only the source is read from the checkpoint; tie_weights shares it afterwards.
+            self._configs.pop(target, None)
+            self._nbytes.pop(target, None)
+
+    # ------------------------------------------------------------------ pre-quantized checkpoint
+    def _read_checkpoint(self, model, checkpoint_files) -> None:
+        """Parse the hf_aoq metadata of every shard, check it against the shards' keys, and
+        index what is stored for each quantized parameter of `model`.
+
+        save_pretrained writes the metadata of the whole checkpoint into every shard and may put
+        one tensor's fields in different shards, so the checks here are over the set of shards:
+        every key the metadata lists is in some shard, and every field key is listed.
+        """
+        files = [os.fspath(f) for f in checkpoint_files or []]
+        source = os.path.dirname(files[0]) if files else "<no files>"
+        if not files or not all(f.endswith(".safetensors") for f in files):
+            raise FormatError(f"{source}: an aoq checkpoint is stored as .safetensors files; got {files}")
+        stored: dict[str, tuple[list[int], str]] = {}  # storage key -> (shape, safetensors dtype)
+        entries: dict[str, Any] = {}
+        texts: set[str] = set()
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                metadata = f.metadata() or {}
+                for key in f.keys():
+                    view = f.get_slice(key)
+                    stored[key] = (view.get_shape(), view.get_dtype())
+            if not serialization.is_aoq_metadata(metadata):
+                raise FormatError(
+                    f"{path}: config.json says quant_method 'aoq' but this shard has no hf_aoq metadata"
+                )
+            text = metadata[serialization.METADATA_KEY]
+            if text in texts:  # the same metadata in every shard: parse it once
+                continue
+            texts.add(text)
+            for name, entry in serialization.parse_metadata(metadata, source=path).items():
+                if entries.setdefault(name, entry) != entry:
+                    raise FormatError(f"{path}: tensor {name!r} is described differently in another shard")
+        claimed = set()
+        for name, entry in entries.items():
+            if name in stored:
+                raise FormatError(f"{source}: tensor {name!r} is stored both plain and as quantized fields")
+            for field, key in entry.keys.items():
+                if key not in stored:
+                    raise FormatError(
+                        f"{source}: tensor {name!r}, field {field!r}: "
+                        f"the metadata lists key {key!r}, which is in no shard"
+                    )
+                claimed.add(key)
+        unclaimed = sorted(k for k in stored if serialization.SEPARATOR in k and k not in claimed)
+        if unclaimed:
+            raise FormatError(f"{source}: field key {unclaimed[0]!r} is in a shard but no hf_aoq metadata lists it")
+
+        params = set(model.state_dict())
+        serialized: dict[str, set[str]] = {}
+        for name, entry in entries.items():
+            target = _model_name(name, params, model.base_model_prefix)
+            if target is None:
+                continue  # not part of this model: transformers reports it as unexpected
+            # Build the tensor on the meta device from the headers: every check of the stored
+            # shapes and dtypes against the metadata runs now, before any data is read.
+            fields = {f: _meta_field(k, *stored[k], source) for f, k in entry.keys.items()}
+            entry.build(fields, source=source)
+            self._entries[target] = entry
+            self._nbytes[target] = sum(t.numel() * t.element_size() for t in fields.values())
+            module_name, leaf = _parent(name)
+            head = f"{module_name}." if module_name else ""
+            # Every tensor field the type declares may be stored, and (for an old schema) the
+            # fields this checkpoint lists.
+            cls = tensor_type(entry.type_name)
+            fields = set(cls.tensor_data_names) | set(cls.optional_tensor_data_names)
+            suffixes = serialized.setdefault(leaf, set())
+            suffixes.update(_storage_key(leaf, f) for f in fields)
+            suffixes.update(k.removeprefix(head) for k in entry.keys.values())
+        self._serialized = {leaf: sorted(suffixes) for leaf, suffixes in serialized.items()}
+        self._source = source
+
+    @property
+    def serialized_names(self) -> dict[str, list[str]]:
+        """{parameter leaf name: stored key suffixes}, e.g. {"weight": ["weight:qdata", ...]}."""
+        return self._serialized
+
+    def get_load_operations(self) -> dict:
+        return {"deserialize": AOQLoad, "dequantize": AOQLoad}
+
+    def update_weight_conversions(self, weight_conversions, model):
+        # The base class would also route a model's own converters (e.g. the merge of
+        # per-expert weights into a fused tensor) through a dequantize op, in case their sources
+        # were stored quantized. hf_aoq never stores those: it quantizes 2-D weights only, and
+        # refuses at save time to store a quantized tensor that a conversion would rename.
+        return list(weight_conversions) + self.get_weight_conversions()
+
+    def get_weight_conversions(self):
+        if not self.pre_quantized:
+            return []
+        return [WeightConverter(names, leaf, [AOQLoad(self)]) for leaf, names in self._serialized.items()]
+
+    # ------------------------------------------------------------------ loading hooks
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return param_name in self._entries
+        return param_name in self._configs or param_name in self._untied
+
+    def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
+        """Bytes per element as loaded: measured per layer for quantized weights."""
+        nbytes = self._nbytes.get(param_name)
+        if nbytes is None or (self.pre_quantized and self.quantization_config.dequantize):
+            return param.element_size()
+        return nbytes / param.numel()
+
+    def get_quantize_ops(self):
+        return AOQQuantize(self)
+
+    def _quantized(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` quantized by its planned config (placed if only F.linear reads it), or
+        `weight` itself when the plan leaves it float."""
+        config = self._configs.get(name)
+        if config is None:
+            return weight
+        q = config.quantize_weight(weight, name=name)
+        if name in self._linear_only:
+            q = q.place()
+        return nn.Parameter(q, requires_grad=False)
+
+    def _build_one(self, model, name: str, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise FormatError(f"{self._source}: {name} is stored as quantized fields no hf_aoq metadata describes")
+        tensor = entry.build(fields, source=self._source)
+        dtype = model.get_parameter(name).dtype
+        if self.quantization_config.dequantize:
+            return tensor.dequantize(dtype)
+        if dtype.is_floating_point and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        if name in self._linear_only:
+            tensor = tensor.place()
+        return nn.Parameter(tensor, requires_grad=False)
+
+    # ------------------------------------------------------------------ after loading, saving, dequantize
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        # transformers keeps the conversions used while loading and reverses them on save; ours
+        # have no reverse (saving flattens quantized tensors itself), so they are dropped here.
+        conversions = getattr(model, "_weight_conversions", None)
+        if conversions:
+            model._weight_conversions = [
+                c for c in conversions if not any(isinstance(op, AOQLoad) for op in getattr(c, "operations", ()))
+            ]
+        return model
+
+    def get_state_dict_and_metadata(self, model):
+        """Plain tensors plus hf_aoq metadata: quantized weights in their canonical layout."""
+        state = model.state_dict(keep_vars=True)
+        tied_targets = set(getattr(model, "all_tied_weights_keys", {}) or {})
+        owner: dict[int, str] = {}
+        for name, value in list(state.items()):
+            if not isinstance(value, AOQTensor):
+                continue
+            if id(value) in owner:
+                first = owner[id(value)]
+                if name in tied_targets:
+                    del state[name]
+                elif first in tied_targets:
+                    del state[first]
+                    owner[id(value)] = name
+                else:
+                    raise AOQError(
+                        f"{first} and {name} share one quantized tensor but the model does not declare them tied"
+                    )
+            else:
+                owner[id(value)] = name
+        _check_not_renamed(model, [k for k, v in state.items() if isinstance(v, AOQTensor)])
+        tensors, metadata = serialization.flatten_state_dict({k: v.detach() for k, v in state.items()})
+        return tensors, dict(metadata)
+
+    def _dequantize(self, model, dtype=None):
+        if isinstance(dtype, str):
+            dtype = DTYPES.get(dtype.removeprefix("torch."))
+        done: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for leaf, param in list(module._parameters.items()):
+                if not isinstance(param, AOQTensor):
+                    continue
+                if id(param) not in done:
+                    done[id(param)] = nn.Parameter(param.dequantize(dtype or param.dtype))
+                module._parameters[leaf] = done[id(param)]
+        return model
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+class AOQQuantize(ConversionOps):
+    """Quantize the weights transformers has just read (one parameter, or the few a conversion
+    produced together); an input embedding that is being untied also yields the output weight."""
+
+    def __init__(self, hf_quantizer: AOQHfQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, missing_keys=None, **kwargs):
+        q = self.hf_quantizer
+        out = {}
+        for name, value in input_dict.items():
+            value = value[0] if isinstance(value, list) else value
+            target = q._untied.get(name)
+            if target is not None and (missing_keys is None or target in missing_keys):
+                out[target] = q._quantized(target, value.detach().clone())
+            out[name] = q._quantized(name, value)
+        if any(isinstance(v, AOQTensor) and v.device.type == "cpu" for v in out.values()):
+            _return_freed_memory()
+        return out
+
+
+class AOQLoad(ConversionOps):
+    """Rebuild one quantized parameter from its stored fields, or its float value when the
+    config says dequantize. Sources are "<leaf>:<field>" suffixes, e.g. "weight:qdata"."""
+
+    def __init__(self, hf_quantizer: AOQHfQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, model=None, full_layer_name=None, **kwargs):
+        leaf = _parent(full_layer_name)[1]
+        head = _storage_key(leaf, "")
+        fields = {}
+        for suffix, tensors in input_dict.items():
+            if not suffix.startswith(head):
+                raise FormatError(f"{full_layer_name}: stored key suffix {suffix!r} does not belong to it")
+            if len(tensors) != 1:
+                raise FormatError(f"{full_layer_name}: expected one stored tensor for {suffix!r}, got {len(tensors)}")
+            fields[suffix[len(head):]] = tensors[0]
+        on_cpu = all(t.device.type == "cpu" for t in fields.values())
+        out = {full_layer_name: self.hf_quantizer._build_one(model, full_layer_name, fields)}
+        if on_cpu:
+            _return_freed_memory()  # e.g. the canonical fields that place() just repacked
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+# The safetensors dtypes that hf_aoq's tensor fields are stored in.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _meta_field(key: str, shape: list[int], dtype: str, source: str) -> torch.Tensor:
+    """A meta tensor with a stored field's shape and dtype, read from the safetensors header."""
+    torch_dtype = _SAFETENSORS_DTYPES.get(dtype)
+    if torch_dtype is None:
+        raise FormatError(f"{source}: stored tensor {key!r} has dtype {dtype}, which no hf_aoq field uses")
+    return torch.empty(shape, dtype=torch_dtype, device="meta")
+
+
+def _skipped(module_name: str, name: str, patterns: list[str]) -> bool:
+    """Whether a skip list names the module or the parameter, by transformers' rules (from the
+    start up to a dot, as a regex with the same boundary, or as a suffix)."""
+    return bool(patterns) and not (
+        should_convert_module(module_name, patterns) and should_convert_module(name, patterns)
+    )
+
+
+def _storage_key(name: str, field: str) -> str:
+    """Where docs/format.md stores field `field` of the quantized tensor `name`."""
+    return f"{name}{serialization.SEPARATOR}{field}"
+
+
+def _model_name(name: str, params: set[str], prefix: str) -> str | None:
+    """The model's name for a checkpoint tensor, allowing for transformers' base-model prefix
+    (a checkpoint of XForCausalLM loaded as XModel, or the other way round)."""
+    if name in params:
+        return name
+    if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in params:
+        return name[len(prefix) + 1 :]
+    if prefix and f"{prefix}.{name}" in params:
+        return f"{prefix}.{name}"
+    return None
+
+
+def _check_not_renamed(model, names: list[str]) -> None:
+    """Refuse to save quantized tensors that transformers would rename on the way to disk.
+
+    save_pretrained asks for the metadata before it reverts the model's checkpoint conversion
+    mapping (e.g. Mixtral's `mlp.` -> `block_sparse_moe.`), so a renamed key would no longer
+    match the metadata that names it.
+    """
+    probe = {name: torch.empty(0) for name in names}
+    try:
+        reverted = set(revert_weight_conversion(model, probe))
+    except Exception as e:  # a conversion op that cannot take the probe transforms these names
+        reverted = {f"<{type(e).__name__}: {e}>"}
+    moved = sorted(set(names) - reverted)
+    if moved:
+        raise AOQError(
+            f"transformers renames or converts {moved} when saving {type(model).__name__} (its checkpoint "
+            f"conversion mapping); hf_aoq cannot store a quantized tensor under a changed name. Leave these "
+            f"parameters unquantized (AOQConfig modules_to_not_convert, or None for them in the FqnToConfig)"
+        )
+
+
+def _load_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def _return_freed_memory() -> None:
+    """Hand the float weight just quantized back to the OS.
+
+    glibc keeps freed heap memory for reuse; the float weights and temporaries of quantizing
+    sit between the long-lived quantized tensors, so without this the process's resident size
+    grows towards the float model's size even though no float weight is alive any more.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+_PROBE_ROWS = 256
+
+
+def _quantized_nbytes(cfg: AOQBaseConfig, shape: tuple[int, int], dtype: torch.dtype, name: str) -> int:
+    """Bytes of `cfg` applied to a weight of this shape, measured on a small random probe.
+
+    Every layout here stores per-row data plus a constant (codes and per-row or per-group
+    scales, or a per-tensor scale), so two probes of _PROBE_ROWS and 2*_PROBE_ROWS rows give
+    the exact size of any row count; a weight with fewer rows is measured whole. Quantizing the
+    probe also checks the config against the weight (e.g. group size vs input dimension) before
+    anything is read from the checkpoint.
+    """
+    n, k = shape
+    gen = torch.Generator().manual_seed(0)
+
+    def measure(rows: int) -> int:
+        # transformers builds the model under torch.device("meta"); the probe must be real.
+        with torch.device("cpu"):
+            probe = torch.randn(rows, k, generator=gen).to(dtype)
+        try:
+            with torch.device("cpu"):
+                q = cfg.quantize_weight(probe, name=f"{rows}-row probe")
+        except AOQError as e:
+            raise AOQError(f"{name}: {cfg} does not fit this {n}x{k} weight ({e})") from None
+        return sum(t.numel() * t.element_size() for t in q.tensor_fields().values())
+
+    if n <= 2 * _PROBE_ROWS:
+        return measure(n)
+    a, b = measure(_PROBE_ROWS), measure(2 * _PROBE_ROWS)
+    return a + (b - a) * (n - _PROBE_ROWS) // _PROBE_ROWS
+
+
+# ---------------------------------------------------------------------- registration
+def register() -> None:
+    """Register AOQConfig and AOQHfQuantizer with transformers under "aoq" (idempotent)."""
+    for table, cls, hook in (
+        (_auto.AUTO_QUANTIZATION_CONFIG_MAPPING, AOQConfig, register_quantization_config),
+        (_auto.AUTO_QUANTIZER_MAPPING, AOQHfQuantizer, register_quantizer),
+    ):
+        existing = table.get(QUANT_METHOD)
+        if existing is None:
+            hook(QUANT_METHOD)(cls)
+        elif existing is not cls:
+            owner = f"{existing.__module__}.{existing.__name__}"
+            raise AOQError(f"transformers already has {owner} registered as {QUANT_METHOD!r}")
+    # transformers copies loading attributes (ours: `dequantize`) from the config given to
+    # from_pretrained onto the checkpoint's only for the config types in this tuple, and has no
+    # public hook to extend it. Without this, AOQConfig(dequantize=True) would be ignored with
+    # a warning; tests/test_transformers.py checks that it is honoured.
+    loading_types = getattr(_auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+    if isinstance(loading_types, tuple) and AOQConfig not in loading_types:
+        _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = loading_types + (AOQConfig,)
+
+
+register()
