@@ -252,3 +252,14 @@ def test_fp8_cpu_kernel_decodes_every_code_exactly(f8):
     x = torch.randn(5, row.shape[1])
     got = fp8_linear_cpu(x, row, torch.full((1,), factor), shift)
     assert torch.allclose(got, x @ row.view(f8).float().t(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("config", [Int4WeightOnlyConfig(32), Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig(),
+                                    Float8WeightOnlyConfig()])
+def test_unaligned_activation(config):
+    # A view at an odd address, as from a tensor read out of a file: aten's int8 CPU kernel
+    # crashed on these before hf_aoq realigned its input.
+    q = config.quantize_weight(torch.randn(32, 64, dtype=torch.bfloat16)).place()
+    x = torch.randn(193, dtype=torch.bfloat16)[1:].view(3, 64)
+    assert x.data_ptr() % 4
+    assert torch.allclose(F.linear(x, q).float(), F.linear(x.clone(), q).float())

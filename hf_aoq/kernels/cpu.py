@@ -89,7 +89,12 @@ def int8_cpu_linear(x, w, bias):
     # Inductor's own lowering of this op fails on unrealized inputs (torch 2.13); an opaque
     # custom op makes it pass realized buffers. Eager calls aten directly, without the wrapper.
     mm = _int8pack_mm_opaque if torch.compiler.is_compiling() else aten._weight_int8pack_mm
-    y = mm(x.reshape(-1, k).contiguous(), w.qdata, scale)
+    x2 = x.reshape(-1, k).contiguous()
+    if x2.data_ptr() % 64:
+        # aten's kernel crashes (torch 2.13) on an input that is not 4-byte aligned, such as a
+        # view into a tensor read from a file; a fresh allocation is always aligned.
+        x2 = x2.clone()
+    y = mm(x2, w.qdata, scale)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
