@@ -17,17 +17,19 @@ def nibble_sources(n: int, k: int, pack: Callable[[torch.Tensor], torch.Tensor],
     """For each byte that `pack` writes for an (n, k) code matrix: the flat source index of its
     low and of its high nibble. `pack` takes int32 codes in [0, 15] and returns any tensor."""
     count = n * k
-    index = torch.arange(count, dtype=torch.int64, device=device)
+    # int32 indices where they fit: every pass is memory-bound, so half the bytes is half the time.
+    index_dtype = torch.int32 if count < 2**31 else torch.int64
+    index = torch.arange(count, dtype=index_dtype, device=device).view(n, k)
     low = high = None
     shift = 0
     while (1 << shift) < count or shift == 0:
-        codes = ((index >> shift) & 15).to(torch.int32).view(n, k)
-        packed = pack(codes).contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+        codes = ((index >> shift) & 15).to(torch.int32)
+        packed = pack(codes).contiguous().view(torch.uint8).reshape(-1).to(index_dtype)
         if packed.numel() * 2 != count:
             raise ValueError(f"packing of a ({n}, {k}) int4 matrix wrote {packed.numel()} bytes, not {count // 2}")
         lo, hi = (packed & 15) << shift, (packed >> 4) << shift
-        low = lo if low is None else low | lo
-        high = hi if high is None else high | hi
+        low = lo if low is None else low.bitwise_or_(lo)
+        high = hi if high is None else high.bitwise_or_(hi)
         shift += 4
     return low, high
 
