@@ -67,9 +67,17 @@ def _int8_cpu_applies(x, w) -> bool:
     return HAS_INT8_WEIGHT_MM and x.device.type == "cpu" and _per_row(w) and x.dtype in FLOATS
 
 
+def _int8pack_mm(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if x2.data_ptr() % 64:
+        # aten's kernel crashes (torch 2.13) on an input that is not 4-byte aligned, such as a
+        # view into a tensor read from a file; a fresh allocation is always aligned.
+        x2 = x2.clone()
+    return aten._weight_int8pack_mm(x2, qdata, scale)
+
+
 @torch.library.custom_op("hf_aoq::int8pack_mm", mutates_args=())
 def _int8pack_mm_opaque(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return aten._weight_int8pack_mm(x2, qdata, scale)
+    return _int8pack_mm(x2, qdata, scale)
 
 
 @_int8pack_mm_opaque.register_fake
@@ -88,13 +96,8 @@ def int8_cpu_linear(x, w, bias):
     scale = w.scale.reshape(-1).to(x.dtype)
     # Inductor's own lowering of this op fails on unrealized inputs (torch 2.13); an opaque
     # custom op makes it pass realized buffers. Eager calls aten directly, without the wrapper.
-    mm = _int8pack_mm_opaque if torch.compiler.is_compiling() else aten._weight_int8pack_mm
-    x2 = x.reshape(-1, k).contiguous()
-    if x2.data_ptr() % 64:
-        # aten's kernel crashes (torch 2.13) on an input that is not 4-byte aligned, such as a
-        # view into a tensor read from a file; a fresh allocation is always aligned.
-        x2 = x2.clone()
-    y = mm(x2, w.qdata, scale)
+    mm = _int8pack_mm_opaque if torch.compiler.is_compiling() else _int8pack_mm
+    y = mm(x.reshape(-1, k).contiguous(), w.qdata, scale)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
