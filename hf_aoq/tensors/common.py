@@ -6,6 +6,7 @@ dequantize, transpose (when it can) and slice its own fields.
 from __future__ import annotations
 
 import sys
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -102,33 +103,58 @@ def check_weight(weight: torch.Tensor, name: str) -> None:
         raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
 
 
-def register_weight_ops(cls: type[AOQTensor]) -> type[AOQTensor]:
-    """Give a quantized weight type the linear, embedding, matmul and slicing ops."""
-    cls.implements_torch_function(F.linear)(_linear)
-    cls.implements_torch_function(F.embedding)(_embedding)
-    cls.implements_torch_function(*MATMUL_FUNCTIONS)(_matmul)
-    cls.implements_torch_function(torch.addmm, torch.Tensor.addmm)(_addmm)
-    cls.implements(aten.slice.Tensor)(_slice)
-    return cls
+class BlockGridTensor(AOQTensor):
+    """Base of the quantized weight types: codes `qdata` (`codes_per_byte` per byte along the
+    last dim) and per-block `scale` (and `zero`) grids of shape (N / block[0], K / block[1]).
+
+    It gives them F.linear, F.embedding, the matmul family and slicing; a `transposable` type
+    (all fields plain 2-D grids) also gets `t()`, so that `x @ w.t()` runs on the fast kernels.
+    Dynamic-activation types define `quantize_input(x2d) -> (codes, scale)`.
+    """
+
+    codes_per_byte: ClassVar[int] = 1
+    transposable: ClassVar[bool] = False
+
+    def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} does not quantize activations")
+
+    def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "act_quant", None) is None:
+            return x
+        codes, scale = self.quantize_input(x.reshape(-1, x.shape[-1]))
+        return (codes.float() * scale).to(x.dtype).reshape(x.shape)
+
+    def as_linear_weight(self) -> "BlockGridTensor | None":
+        return self.t() if self.transposable else None
+
+    def select_rows(self, rows: torch.Tensor) -> "BlockGridTensor":
+        return select_grid_rows(self.to_canonical(), rows)
+
+    def slice_fields(self, dim: int, start: int, end: int) -> "BlockGridTensor":
+        return slice_grid(self, dim, start, end, self.codes_per_byte)
 
 
-def register_transpose(cls: type[AOQTensor]) -> type[AOQTensor]:
-    """For types whose fields are all 2-D per-block grids: transpose every field and the block."""
+BlockGridTensor.implements_torch_function(F.linear)(_linear)
+BlockGridTensor.implements_torch_function(F.embedding)(_embedding)
+BlockGridTensor.implements_torch_function(*MATMUL_FUNCTIONS)(_matmul)
+BlockGridTensor.implements_torch_function(torch.addmm, torch.Tensor.addmm)(_addmm)
+BlockGridTensor.implements(aten.slice.Tensor)(_slice)
 
-    def _t(func, types, args, kwargs):
-        self = args[0]
-        if func is aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]:
-            raise AOQError(f"{type(self).__name__} can only swap its two dimensions")
-        out = self.replace(
-            qdata=self.qdata.t(),
-            scale=self.scale.t(),
-            block_size=tuple(reversed(self.block_size)),
-            shape=tuple(reversed(self.shape)),
-        )
-        return return_and_correct_aliasing(func, args, kwargs, out)
 
-    cls.implements(aten.t.default, aten.transpose.int)(_t)
-    return cls
+@BlockGridTensor.implements(aten.t.default, aten.transpose.int)
+def _transpose(func, types, args, kwargs):
+    self = args[0]
+    if not self.transposable:
+        raise NotImplementedError(f"{type(self).__name__} does not support the op {func}; dequantize() first")
+    if func is aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]:
+        raise AOQError(f"{type(self).__name__} can only swap its two dimensions")
+    out = self.replace(
+        qdata=self.qdata.t(),
+        scale=self.scale.t(),
+        block_size=tuple(reversed(self.block_size)),
+        shape=tuple(reversed(self.shape)),
+    )
+    return return_and_correct_aliasing(func, args, kwargs, out)
 
 
 # ---------------------------------------------------------------------- block-grid fields

@@ -15,21 +15,18 @@ from ..core.errors import AOQError
 from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import FLOAT8_DTYPES, choose_scale_float8, dequantize_float8, quantize_float8
 from ..core.registry import register_tensor_type
-from ..core.tensor import AOQTensor
-from .common import check_grid_fields
-from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
+from .common import BlockGridTensor, check_grid_fields, check_weight
 
 ACT_QUANTS = (None, "per_tensor", "per_row")
 
 
-@register_transpose
 @register_tensor_type
-@register_weight_ops
-class Float8Tensor(AOQTensor):
+class Float8Tensor(BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = ("block_size", "shape", "dtype")
     optional_tensor_attribute_names = ("act_quant", "act_dtype")
     schema_version = 1
+    transposable = True
 
     @classmethod
     def from_float(
@@ -72,19 +69,3 @@ class Float8Tensor(AOQTensor):
         amax = x2.float().abs().amax(dim=1 if self.act_quant == "per_row" else (0, 1), keepdim=True)
         scale = (amax / torch.finfo(f8).max).clamp(min=1e-12)
         return quantize_float8(x2, block, scale, f8), scale
-
-    def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant is None:
-            return x
-        x2 = x.reshape(-1, x.shape[-1])
-        codes, scale = self.quantize_input(x2)
-        return (codes.float() * scale).to(x.dtype).reshape(x.shape)
-
-    def as_linear_weight(self) -> "Float8Tensor":
-        return self.t()
-
-    def select_rows(self, rows: torch.Tensor) -> "Float8Tensor":
-        return select_grid_rows(self, rows)
-
-    def slice_fields(self, dim: int, start: int, end: int) -> "Float8Tensor":
-        return slice_grid(self, dim, start, end)

@@ -17,22 +17,20 @@ from .. import kernels
 from ..core.errors import AOQError
 from ..core.primitives import choose_qparams_affine, dequantize_affine, pack_int4, quantize_affine, unpack_int4
 from ..core.registry import register_tensor_type
-from ..core.tensor import AOQTensor
-from .common import check_grid_fields
-from .common import check_weight, register_weight_ops, select_grid_rows, slice_grid
+from .common import BlockGridTensor, check_grid_fields, check_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
 QMIN, QMAX = 0, 15
 
 
 @register_tensor_type
-@register_weight_ops
-class Int4Tensor(AOQTensor):
+class Int4Tensor(BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = ("block_size", "shape", "dtype")
     optional_tensor_data_names = ("zero",)
     optional_tensor_attribute_names = ("packing",)
     schema_version = 1
+    codes_per_byte = 2
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, group_size: int = 128, symmetric: bool = False, *, name: str = "weight"):
@@ -79,10 +77,3 @@ class Int4Tensor(AOQTensor):
     def _to_device(self, device: torch.device) -> "Int4Tensor":
         moved = self.to_canonical().apply_to_tensors(lambda t: t.to(device))
         return moved.place() if self.packing is not None else moved
-
-    def select_rows(self, rows: torch.Tensor) -> "Int4Tensor":
-        return select_grid_rows(self.to_canonical(), rows)
-
-    def slice_fields(self, dim: int, start: int, end: int) -> "Int4Tensor":
-        return slice_grid(self, dim, start, end, codes_per_byte=2)
-

@@ -13,23 +13,20 @@ import torch
 from ..core.errors import AOQError
 from ..core.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
 from ..core.registry import register_tensor_type
-from ..core.tensor import AOQTensor
 from ..kernels.common import quantize_int8_per_token
-from .common import check_grid_fields
-from .common import check_weight, register_transpose, register_weight_ops, select_grid_rows, slice_grid
+from .common import BlockGridTensor, check_grid_fields, check_weight
 
 QMIN, QMAX = -127, 127
 ACT_QUANTS = (None, "per_token")
 
 
-@register_transpose
 @register_tensor_type
-@register_weight_ops
-class Int8Tensor(AOQTensor):
+class Int8Tensor(BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = ("block_size", "shape", "dtype")
     optional_tensor_attribute_names = ("act_quant",)
     schema_version = 1
+    transposable = True
 
     @classmethod
     def from_float(
@@ -61,17 +58,6 @@ class Int8Tensor(AOQTensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_affine(self.qdata, self.block_size, self.scale, None, QMIN, QMAX, dtype or self.dtype)
 
-    def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_quant is None:
-            return x
-        codes, scale = quantize_int8_per_token(x.reshape(-1, x.shape[-1]))
-        return (codes.float() * scale).to(x.dtype).reshape(x.shape)
-
-    def as_linear_weight(self) -> "Int8Tensor":
-        return self.t()
-
-    def select_rows(self, rows: torch.Tensor) -> "Int8Tensor":
-        return select_grid_rows(self, rows)
-
-    def slice_fields(self, dim: int, start: int, end: int) -> "Int8Tensor":
-        return slice_grid(self, dim, start, end)
+    def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Symmetric int8 codes and float32 scales, one per token (row) of a 2-D activation."""
+        return quantize_int8_per_token(x2)
