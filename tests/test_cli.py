@@ -25,5 +25,5 @@ def test_demo_quantizes_saves_reloads_and_generates(tmp_path):
 
 def test_cli_errors_are_one_line():
     result = subprocess.run([sys.executable, "-m", "hf_aoq", "demo", "--group-size", "48"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and "invalid choice" in result.stderr
