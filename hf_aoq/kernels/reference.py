@@ -35,7 +35,7 @@ def rowgather_embedding(indices: torch.Tensor, weight, padding_idx=None) -> torc
     return rows.dequantize().reshape(*indices.shape, weight.shape[-1])
 
 
-for _name in ("Int4Tensor", "Int8Tensor", "Float8Tensor"):
+for _name in TYPES:
     register_kernel("embedding", _name, "rowgather", backend="any", priority=10, applies=_canonical)(
         rowgather_embedding
     )
