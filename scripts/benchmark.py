@@ -1,0 +1,623 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark of hf_aoq against bf16, fp32 and (when installed) torchao and optimum-quanto.
+
+Every configuration runs in fresh processes, so peak RSS and timings belong to it alone:
+
+  measure   quantize-on-load time and peak RSS (VmHWM), model bytes (quantized tensors counted
+            field by field), 256-token prefill time, batch-1 greedy decode tokens/s with a KV cache
+            (after a warm-up, median of repeats), then save_pretrained to a temp dir (save size)
+  reload    load the saved checkpoint in a new process: time and peak RSS
+  fidelity  on the real SmolLM2-135M weights: SQNR (dB) of the logits against bf16 and top-1
+            agreement, on a fixed prompt of prose from tests/data/lee_background.cor
+
+The default model has TinyLlama-1.1B's shape (Llama, hidden 2048, intermediate 5632, 22 layers,
+32 heads, 4 KV heads, vocab 32000) with seeded random weights, built once and cached as bf16
+safetensors. The machine's read bandwidth is measured once, and the batch-1 decode limit is
+reported as bandwidth / bytes read per token.
+
+    .venv/bin/python scripts/benchmark.py                                 # everything
+    .venv/bin/python scripts/benchmark.py --configs bf16,int4 --layers 4  # quick
+    .venv/bin/python scripts/benchmark.py --model PATH --out result.json
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROSE = REPO / "tests" / "data" / "lee_background.cor"
+
+TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000)
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000)
+
+# name -> (backend, scheme). Schemes: int4 (g128 weight-only), int8 (weight-only, per row),
+# int8dyn (int8 weights, dynamic per-token int8 activations), fp8 (e4m3 weight-only, per row),
+# fp8dyn (e4m3 weights and dynamic activations, per row).
+SCHEMES = ("int4", "int8", "int8dyn", "fp8", "fp8dyn")
+CONFIGS: dict[str, tuple[str, str | None]] = {"bf16": ("plain", "bf16"), "fp32": ("plain", "fp32")}
+for _s in SCHEMES:
+    CONFIGS[_s] = ("hf_aoq", _s)
+for _s in SCHEMES:
+    CONFIGS[f"torchao-{_s}"] = ("torchao", _s)
+for _s in SCHEMES:
+    CONFIGS[f"quanto-{_s}"] = ("quanto", _s)
+PEER_MODULES = {"torchao": "torchao", "quanto": "optimum.quanto"}
+
+
+class BenchError(Exception):
+    """A failure to report as one line."""
+
+
+# ---------------------------------------------------------------------------- helpers (child side)
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_rss_mb() -> float:
+    return _status_kb("VmHWM") / 1024
+
+
+def rss_mb() -> float:
+    return _status_kb("VmRSS") / 1024
+
+
+def tensor_bytes(t) -> int:
+    """Storage bytes of a tensor; a wrapper subclass (hf_aoq, torchao, quanto) is counted by its fields."""
+    import torch
+
+    if isinstance(t, torch.nn.Parameter):
+        t = t.data
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def model_bytes(model) -> tuple[int, int]:
+    """(bytes of all parameters, bytes read per decoded token). The second leaves out the input
+    embedding (one row is read per token) unless it is the lm_head weight too."""
+    total = sum(tensor_bytes(p) for p in model.parameters())  # parameters() counts a tied weight once
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is emb
+    return total, total if tied else total - tensor_bytes(emb)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def hf_aoq_config(scheme: str, in_features: dict[str, int] | None = None):
+    import hf_aoq
+
+    if scheme == "int4":
+        default = hf_aoq.Int4WeightOnlyConfig(group_size=128)
+        odd = sorted(n for n, k in (in_features or {}).items() if k % 128)
+        if not odd:
+            return default
+        # e.g. SmolLM2: hidden 576 is not a multiple of 128; those layers use groups of 64.
+        return hf_aoq.FqnToConfig({"_default": default, **{n: hf_aoq.Int4WeightOnlyConfig(group_size=64) for n in odd}})
+    return {
+        "int8": hf_aoq.Int8WeightOnlyConfig,
+        "int8dyn": hf_aoq.Int8DynamicActivationInt8WeightConfig,
+        "fp8": hf_aoq.Float8WeightOnlyConfig,
+        "fp8dyn": hf_aoq.Float8DynamicActivationFloat8WeightConfig,
+    }[scheme]()
+
+
+def quantization_config(backend: str, scheme: str, in_features=None):
+    """The transformers quantization_config for a configuration (None for bf16/fp32)."""
+    if backend == "plain":
+        return None
+    if backend == "hf_aoq":
+        import hf_aoq
+
+        return hf_aoq.AOQConfig(hf_aoq_config(scheme, in_features))
+    if backend == "torchao":
+        import torchao.quantization as tq
+        from transformers import TorchAoConfig
+
+        granularity = tq.PerRow() if hasattr(tq, "PerRow") else None
+        quant = {
+            "int4": lambda: tq.Int4WeightOnlyConfig(group_size=128),
+            "int8": lambda: tq.Int8WeightOnlyConfig(),
+            "int8dyn": lambda: tq.Int8DynamicActivationInt8WeightConfig(),
+            "fp8": lambda: tq.Float8WeightOnlyConfig(),
+            "fp8dyn": lambda: tq.Float8DynamicActivationFloat8WeightConfig(granularity=granularity),
+        }[scheme]()
+        return TorchAoConfig(quant_type=quant)
+    if backend == "quanto":
+        from transformers import QuantoConfig
+
+        weights, activations = {
+            "int4": ("int4", None), "int8": ("int8", None), "int8dyn": ("int8", "int8"),
+            "fp8": ("float8", None), "fp8dyn": ("float8", "float8"),
+        }[scheme]
+        return QuantoConfig(weights=weights, activations=activations)
+    raise BenchError(f"unknown backend {backend!r}")
+
+
+def load(path, backend: str, scheme: str, in_features=None, prequantized: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if backend != "plain":
+        import hf_aoq  # noqa: F401  (registers "aoq"; harmless for the peers)
+    dtype = torch.float32 if scheme == "fp32" else torch.bfloat16
+    kwargs = {} if prequantized or backend == "plain" else {"quantization_config": quantization_config(backend, scheme, in_features)}
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs).eval()
+
+
+def warm_imports(path, backend: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if backend != "plain":
+        import hf_aoq  # noqa: F401
+    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(str(path)))]  # imports the modeling module
+
+
+def timed_prefill(model, ids) -> float:
+    import torch
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+
+
+def decode_tps(model, prompt, new_tokens: int) -> float:
+    """Greedy batch-1 decode with the KV cache; only the one-token steps are timed."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            out = model(input_ids=tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return new_tokens / (time.perf_counter() - start)
+
+
+def child_measure(a) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    backend, scheme = CONFIGS[a.config]
+    warm_imports(a.model, backend)  # so that load_s is loading, not importing modeling code
+    res = {"rss_before_load_mb": rss_mb()}
+    start = time.perf_counter()
+    model = load(a.model, backend, scheme)
+    res["load_s"] = time.perf_counter() - start
+    res["load_peak_rss_mb"] = peak_rss_mb()
+    res["model_bytes"], res["bytes_per_token"] = model_bytes(model)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefill_ids = torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen)
+    prompt = torch.randint(0, vocab, (1, 16), generator=gen)
+
+    decode_tps(model, prompt, 4)  # warm-up (also any one-time kernel build)
+    timed_prefill(model, prefill_ids[:, :16])
+    res["prefill_s"] = min(timed_prefill(model, prefill_ids) for _ in range(a.prefill_repeats))
+    runs = [decode_tps(model, prompt, a.decode_tokens) for _ in range(a.repeats)]
+    res["decode_tps"] = statistics.median(runs)
+    res["decode_tps_runs"] = runs
+    res["peak_rss_mb"] = peak_rss_mb()
+    try:
+        start = time.perf_counter()
+        model.save_pretrained(a.save_dir)
+        res["save_s"] = time.perf_counter() - start
+        res["save_bytes"] = dir_bytes(Path(a.save_dir))
+    except Exception as e:  # noqa: BLE001 - a peer that cannot save is a result, not a crash
+        res["save_error"] = _one_line(e)
+    return res
+
+
+def child_reload(a) -> dict:
+    backend, scheme = CONFIGS[a.config]
+    warm_imports(a.save_dir, backend)
+    start = time.perf_counter()
+    model = load(a.save_dir, backend, scheme, prequantized=True)
+    seconds = time.perf_counter() - start
+    bytes_, _ = model_bytes(model)
+    return {"reload_s": seconds, "reload_peak_rss_mb": peak_rss_mb(), "reload_model_bytes": bytes_}
+
+
+def child_fidelity(a) -> dict:
+    import torch
+
+    backend, scheme = CONFIGS[a.config]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.smollm2_dir)
+    text = PROSE.read_text(encoding="utf-8", errors="replace")[:4000]
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : a.fidelity_tokens]
+    ref_model = load(a.smollm2_dir, "plain", "bf16")
+    lm_head = ref_model.get_output_embeddings()  # tied to the embedding and left in bf16, as when loading
+    in_features = {n: m.in_features for n, m in ref_model.named_modules() if isinstance(m, torch.nn.Linear) and m is not lm_head}
+    with torch.inference_mode():
+        ref = ref_model(input_ids=ids).logits.float()
+    del ref_model
+    model = load(a.smollm2_dir, backend, scheme, in_features)
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits.float()
+    noise = (ref - got).pow(2).mean()
+    sqnr = float("inf") if noise == 0 else float(10 * torch.log10(ref.pow(2).mean() / noise))
+    agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+    note = None
+    if backend == "hf_aoq" and scheme == "int4":
+        odd = sum(1 for k in in_features.values() if k % 128)
+        if odd:
+            note = f"SmolLM2: {odd} linears with in_features not a multiple of 128 use g64"
+    return {"sqnr_db": sqnr, "top1_agree": agree, "fidelity_tokens": int(ids.shape[1]), "fidelity_note": note}
+
+
+def child_prepare_smollm2(a) -> dict:
+    from hf_aoq import smollm2
+
+    model, tokenizer = smollm2.load()
+    tmp = Path(a.smollm2_dir + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(a.smollm2_dir)
+    return {}
+
+
+def child_build_model(a) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(TINY if a.tiny else TINYLLAMA)
+    if a.layers:
+        shape["num_hidden_layers"] = a.layers
+    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    tmp = Path(a.model + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tmp.rename(a.model)
+    return {}
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:300]}"
+
+
+def run_child(a) -> int:
+    step = {"measure": child_measure, "reload": child_reload, "fidelity": child_fidelity,
+            "prepare-smollm2": child_prepare_smollm2, "build-model": child_build_model}[a.child]
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        result = step(a)
+    except Exception as e:  # noqa: BLE001 - one line back to the parent
+        if a.debug:
+            raise
+        result = {"error": _one_line(e)}
+    Path(a.result).write_text(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------- parent side
+
+def measure_bandwidth(megabytes: int, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: best of `repeats` sums over a float32 buffer of `megabytes`."""
+    import torch
+
+    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def spawn(a, step: str, extra: list[str], timeout: float) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", step, "--result", result_path, *extra]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=not a.verbose, text=True, timeout=timeout, env=env)
+        data = json.loads(Path(result_path).read_text() or "{}")
+        if proc.returncode and "error" not in data:
+            tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            data["error"] = f"{step} child failed: {tail[0][:300]}"
+    except subprocess.TimeoutExpired:
+        data = {"error": f"{step} child ran past {timeout:.0f} s"}
+    except (json.JSONDecodeError, OSError):
+        data = {"error": f"{step} child returned no result (killed? out of memory?)"}
+    finally:
+        Path(result_path).unlink(missing_ok=True)
+    data["_wall_s"] = time.perf_counter() - start
+    return data
+
+
+def common_args(a) -> list[str]:
+    out = ["--prefill-tokens", str(a.prefill_tokens), "--prefill-repeats", str(a.prefill_repeats),
+           "--decode-tokens", str(a.decode_tokens), "--repeats", str(a.repeats),
+           "--fidelity-tokens", str(a.fidelity_tokens)]
+    if a.threads:
+        out += ["--threads", str(a.threads)]
+    if a.debug:
+        out.append("--debug")
+    return out
+
+
+def default_model_dir(a) -> Path:
+    shape = dict(TINY if a.tiny else TINYLLAMA)
+    if a.layers:
+        shape["num_hidden_layers"] = a.layers
+    name = "llama-h{hidden_size}-i{intermediate_size}-l{num_hidden_layers}-a{num_attention_heads}" \
+           "-kv{num_key_value_heads}-v{vocab_size}-seed0-bf16".format(**shape)
+    return Path(a.cache_dir).expanduser() / name
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def fmt(v, spec: str = ".2f", none: str = "–") -> str:
+    if v is None:
+        return none
+    if isinstance(v, float) and v == float("inf"):
+        return "inf"
+    return format(v, spec)
+
+
+def ratio(x, y):
+    return None if x is None or y is None or y == 0 else x / y
+
+
+def markdown(report: dict) -> str:
+    rows = report["results"]
+    base = rows.get("bf16", {})
+    head = ("| config | load s | load peak RSS MB | peak RSS MB | model MB | size ×bf16 | decode tok/s | ×bf16 | decode limit tok/s "
+            "| prefill s | ×bf16 | save MB | reload s | reload peak RSS MB | SQNR dB | top-1 |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for name, r in rows.items():
+        if r.get("error") and "decode_tps" not in r:
+            lines.append(f"| {name} | {r['error']} |" + " |" * (head.count("|") - 3))
+            continue
+        mb = r.get("model_bytes")
+        lines.append("| " + " | ".join([
+            name, fmt(r.get("load_s"), ".1f"), fmt(r.get("load_peak_rss_mb"), ".0f"), fmt(r.get("peak_rss_mb"), ".0f"),
+            fmt(mb / 1e6 if mb else None, ".1f"), fmt(ratio(mb, base.get("model_bytes")), ".2f"),
+            fmt(r.get("decode_tps"), ".2f"), fmt(ratio(r.get("decode_tps"), base.get("decode_tps")), ".2f"),
+            fmt(r.get("decode_limit_tps"), ".1f"), fmt(r.get("prefill_s"), ".2f"),
+            fmt(ratio(r.get("prefill_s"), base.get("prefill_s")), ".2f"),
+            fmt(r["save_bytes"] / 1e6 if r.get("save_bytes") else None, ".1f"), fmt(r.get("reload_s"), ".1f"),
+            fmt(r.get("reload_peak_rss_mb"), ".0f"), fmt(r.get("sqnr_db"), ".1f"), fmt(r.get("top1_agree"), ".3f"),
+        ]) + " |")
+    peers = report.get("vs_peers") or {}
+    if peers:
+        lines += ["", "| hf_aoq vs peer | decode tok/s ratio | prefill s ratio | model bytes ratio |", "| --- | --- | --- | --- |"]
+        for key, v in peers.items():
+            lines.append(f"| {key} | {fmt(v.get('decode_tps'))} | {fmt(v.get('prefill_s'))} | {fmt(v.get('model_bytes'))} |")
+    return "\n".join(lines)
+
+
+def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: list, complete: bool) -> dict:
+    import torch
+    import transformers
+
+    base = results.get("bf16", {})
+    metrics = ("decode_tps", "prefill_s", "model_bytes", "load_s", "load_peak_rss_mb", "save_bytes", "reload_s")
+    for name, r in results.items():
+        r["vs_bf16"] = {m: ratio(r.get(m), base.get(m)) for m in metrics}
+    vs_peers = {}
+    for name, r in results.items():
+        backend, scheme = CONFIGS[name]
+        if backend != "hf_aoq":
+            continue
+        for peer in PEER_MODULES:
+            p = results.get(f"{peer}-{scheme}")
+            if p and "decode_tps" in p and "decode_tps" in r:
+                vs_peers[f"{name} / {peer}-{scheme}"] = {m: ratio(r.get(m), p.get(m)) for m in ("decode_tps", "prefill_s", "model_bytes")}
+
+    report = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch_threads": a.threads or torch.get_num_threads(),
+                    "torch": torch.__version__, "transformers": transformers.__version__,
+                    "python": platform.python_version()},
+        "model": model_desc,
+        "settings": {k: getattr(a, k) for k in ("prefill_tokens", "prefill_repeats", "decode_tokens", "repeats", "fidelity_tokens", "bandwidth_mb")},
+        "read_bandwidth_bytes_per_s": bandwidth,
+        "results": results,
+        "vs_peers": vs_peers,
+        "notes": notes,
+        "complete": complete,
+    }
+    return report
+
+
+def main_parent(a) -> int:
+    names = [c.strip() for c in a.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise BenchError(f"unknown config(s) {unknown}; choose from {','.join(CONFIGS)}")
+    notes: list[str] = []
+    available = {}
+    for backend, module in PEER_MODULES.items():
+        try:
+            available[backend] = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            available[backend] = False
+    skipped = [c for c in names if CONFIGS[c][0] in available and not available[CONFIGS[c][0]]]
+    for backend in PEER_MODULES:
+        if any(CONFIGS[c][0] == backend for c in skipped):
+            notes.append(f"{backend} configs skipped: `{PEER_MODULES[backend]}` is not importable")
+    names = [c for c in names if c not in skipped]
+    if "bf16" not in names:
+        notes.append("bf16 not among the configs: no ratios to bf16")
+
+    cache = Path(a.cache_dir).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    if a.model:
+        model_dir = Path(a.model).expanduser()
+        if not (model_dir / "config.json").is_file():
+            raise BenchError(f"--model {model_dir}: no config.json there (expected a transformers model directory)")
+        model_desc = str(model_dir)
+    else:
+        model_dir = default_model_dir(a)
+        model_desc = f"random-weight Llama, {model_dir.name} (cached in {model_dir.parent})"
+        if not (model_dir / "config.json").is_file():
+            log(f"building {model_dir.name} (once) ...")
+            extra = ["--model", str(model_dir)] + (["--tiny"] if a.tiny else []) + (["--layers", str(a.layers)] if a.layers else [])
+            r = spawn(a, "build-model", extra + common_args(a), a.timeout)
+            if "error" in r:
+                raise BenchError(f"building the default model failed: {r['error']}")
+
+    smollm2_dir = cache / "smollm2-135m-bf16"
+    if not a.no_fidelity and not (smollm2_dir / "config.json").is_file():
+        log("unpacking SmolLM2-135M to bf16 safetensors (once) ...")
+        r = spawn(a, "prepare-smollm2", ["--smollm2-dir", str(smollm2_dir)] + common_args(a), a.timeout)
+        if "error" in r:
+            notes.append(f"fidelity skipped: {r['error']}")
+            a.no_fidelity = True
+    if a.no_fidelity and not any(n.startswith("fidelity skipped") for n in notes):
+        notes.append("fidelity skipped (--no-fidelity)")
+
+    log(f"measuring read bandwidth ({a.bandwidth_mb} MB buffer) ...")
+    bandwidth = measure_bandwidth(a.bandwidth_mb)
+
+    results: dict[str, dict] = {}
+    for name in names:
+        r: dict = {"backend": CONFIGS[name][0], "scheme": CONFIGS[name][1]}
+        with tempfile.TemporaryDirectory(prefix=f"hf_aoq_bench_{name}_") as tmp:
+            save_dir = str(Path(tmp) / "saved")
+            base = ["--config", name, "--model", str(model_dir), "--save-dir", save_dir] + common_args(a)
+            log(f"[{name}] load, prefill, decode, save ...")
+            m = spawn(a, "measure", base, a.timeout)
+            r.update({k: v for k, v in m.items() if not k.startswith("_")})
+            if "error" not in m and "save_error" not in m:
+                log(f"[{name}] reload ...")
+                rl = spawn(a, "reload", base, a.timeout)
+                r.update({k if k != "error" else "reload_error": v for k, v in rl.items() if not k.startswith("_")})
+        if not a.no_fidelity and name != "bf16":
+            log(f"[{name}] fidelity on SmolLM2-135M ...")
+            f = spawn(a, "fidelity", ["--config", name, "--smollm2-dir", str(smollm2_dir)] + common_args(a), a.timeout)
+            r.update({k if k != "error" else "fidelity_error": v for k, v in f.items() if not k.startswith("_")})
+        elif not a.no_fidelity:
+            r.update(sqnr_db=float("inf"), top1_agree=1.0)
+        if r.get("bytes_per_token"):
+            r["decode_limit_tps"] = bandwidth / r["bytes_per_token"]
+        for k in ("error", "save_error", "reload_error", "fidelity_error"):
+            if r.get(k):
+                notes.append(f"{name}: {k.replace('_', ' ')}: {r[k]}")
+        if r.get("fidelity_note"):
+            notes.append(f"{name}: {r['fidelity_note']}")
+        results[name] = r
+        if a.out:  # after every configuration, so that an interrupted run keeps what it measured
+            Path(a.out).write_text(json.dumps(build_report(a, model_desc, bandwidth, results, notes, complete=False), indent=2, default=str))
+        if "decode_tps" in r:
+            log(f"[{name}] decode {r['decode_tps']:.2f} tok/s, prefill {r['prefill_s']:.2f} s, "
+                f"model {r['model_bytes'] / 1e6:.1f} MB, load {r['load_s']:.1f} s")
+
+    report = build_report(a, model_desc, bandwidth, results, notes, complete=True)
+    import torch
+    import transformers
+
+    table = markdown(report)
+    print(f"## hf_aoq benchmark\n\nModel: {model_desc}. Machine: {report['machine']['processor']}, "
+          f"{report['machine']['cpus']} CPUs, torch {torch.__version__}, transformers {transformers.__version__}. "
+          f"Read bandwidth {bandwidth / 1e9:.1f} GB/s; decode limit = bandwidth / bytes read per token "
+          f"(all weights but the input embedding). Batch 1, greedy, KV cache; decode over {a.decode_tokens} tokens, "
+          f"median of {a.repeats}; prefill {a.prefill_tokens} tokens, best of {a.prefill_repeats}. "
+          f"Fidelity: logits on SmolLM2-135M vs bf16 ({a.fidelity_tokens} tokens of tests/data/lee_background.cor). "
+          f"RSS includes the process baseline (python, torch, transformers: ~0.35 GB). A plain safetensors load is "
+          f"lazy (mmap): its load time and load peak RSS leave out paging the weights in, which the first forward pays; "
+          f"'peak RSS' is the whole measure step's. Reload is timed right after the save, with the page cache warm.\n")
+    print(table)
+    if notes:
+        print("\nNotes:\n" + "\n".join(f"- {n}" for n in notes))
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=2, default=str))
+        log(f"wrote {a.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {','.join(CONFIGS)} (default: all; absent peers are skipped)")
+    p.add_argument("--model", default=None, help="a local transformers model directory (default: random TinyLlama-shaped Llama)")
+    p.add_argument("--layers", type=int, default=None, help="layers of the default model (default 22; fewer for a quick run)")
+    p.add_argument("--tiny", action="store_true", help="a tiny default model (hidden 128, 2 layers, vocab 1000) for tests")
+    p.add_argument("--cache-dir", default="~/.cache/hf_aoq/bench", help="where the default model and SmolLM2 bf16 are kept")
+    p.add_argument("--out", default="benchmark.json", help="the JSON report (default benchmark.json; '' for none)")
+    p.add_argument("--prefill-tokens", type=int, default=256)
+    p.add_argument("--prefill-repeats", type=int, default=1)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="decode repeats (the median is reported)")
+    p.add_argument("--fidelity-tokens", type=int, default=128)
+    p.add_argument("--no-fidelity", action="store_true", help="skip the SmolLM2 fidelity step")
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="buffer size for the bandwidth measurement")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in the children (default: torch's choice)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
+    p.add_argument("--render", default=None, metavar="JSON", help="only print the Markdown table of a saved (or partial) report")
+    p.add_argument("--verbose", action="store_true", help="show the children's output")
+    p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
+    # internal: one step of one configuration, in a fresh process
+    for flag in ("--child", "--result", "--config", "--save-dir", "--smollm2-dir"):
+        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    for k in ("prefill_tokens", "decode_tokens", "repeats", "prefill_repeats", "fidelity_tokens", "bandwidth_mb"):
+        if getattr(a, k) <= 0:
+            print(f"benchmark: --{k.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
+    if a.child:
+        return run_child(a)
+    if a.render:
+        try:
+            report = json.loads(Path(a.render).read_text())
+            print(markdown(report))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"benchmark: --render {a.render}: {_one_line(e)}", file=sys.stderr)
+            return 2
+        if report.get("notes"):
+            print("\nNotes:\n" + "\n".join(f"- {n}" for n in report["notes"]))
+        return 0
+    try:
+        return main_parent(a)
+    except BenchError as e:
+        print(f"benchmark: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001
+        if a.debug:
+            raise
+        print(f"benchmark: {_one_line(e)} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

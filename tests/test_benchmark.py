@@ -1,0 +1,51 @@
+"""scripts/benchmark.py end to end on a tiny random Llama: the report's fields and sane values.
+
+No assertion on speed: the machine is shared and tiny models measure mostly overhead."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
+
+
+def test_benchmark_runs_end_to_end(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,quanto-int8",
+         "--no-fidelity", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32",
+         "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "2", "--threads", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| config |" in result.stdout and "| bf16 |" in result.stdout and "| int4 |" in result.stdout
+
+    report = json.loads(out.read_text())
+    assert report["read_bandwidth_bytes_per_s"] > 0
+    results = report["results"]
+    for name in ("bf16", "int4"):
+        r = results[name]
+        assert "error" not in r and "reload_error" not in r, r
+        for key in ("load_s", "load_peak_rss_mb", "prefill_s", "decode_tps", "save_bytes", "reload_s",
+                    "reload_peak_rss_mb", "model_bytes", "bytes_per_token", "decode_limit_tps"):
+            assert r[key] > 0 and math.isfinite(r[key]), (name, key, r[key])
+        assert r["vs_bf16"]["decode_tps"] > 0
+        assert r["reload_model_bytes"] == r["model_bytes"]
+    assert results["int4"]["model_bytes"] < results["bf16"]["model_bytes"]
+    assert results["int4"]["save_bytes"] < results["bf16"]["save_bytes"]
+    assert results["bf16"]["vs_bf16"]["model_bytes"] == 1.0
+    # optimum-quanto is optional: either it ran, or it was skipped with a note
+    assert "quanto-int8" in results or any("quanto" in n for n in report["notes"])
+    assert any("fidelity skipped" in n for n in report["notes"])
+    assert report["complete"] is True
+
+    rendered = subprocess.run([sys.executable, str(SCRIPT), "--render", str(out)], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0 and "| int4 |" in rendered.stdout, rendered.stderr
+
+
+def test_benchmark_rejects_unknown_config(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--configs", "bf16,int3", "--out", ""],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "int3" in result.stderr
