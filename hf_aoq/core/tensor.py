@@ -346,15 +346,18 @@ def _metadata(t: AOQTensor) -> tuple:
 @AOQTensor.implements(aten.copy_.default)
 def _copy_(func, types, args, kwargs):
     dst, src = args[0], args[1]
-    if not isinstance(src, AOQTensor) or _metadata(src.to_canonical()) != _metadata(dst.to_canonical()):
-        raise AOQError(
-            f"copy_ into {dst!r} needs a source of the same type, attributes and field shapes; got {src!r}"
-        )
-    if isinstance(src, AOQTensor) and src.device != dst.device:
-        src = src._to_device(dst.device)
-    if _metadata(src) != _metadata(dst):  # same canonical tensor, different packing
-        src = src.to_canonical()
-        src = src.place() if dst.to_canonical() is not dst else src
+    if not isinstance(src, AOQTensor) or type(src) is not type(dst):
+        raise AOQError(f"copy_ into {dst!r} needs a source of the same type; got {src!r}")
+    if src.device != dst.device or _metadata(src) != _metadata(dst):
+        # Bring src into dst's layout (never unpack dst): canonical on dst's device, then
+        # packed the way placement packs there if dst is packed.
+        src = src.to_canonical()._to_device(dst.device)
+        if _metadata(src) != _metadata(dst):
+            src = src.place()
+        if _metadata(src) != _metadata(dst):
+            raise AOQError(
+                f"copy_ into {dst!r} needs a source of the same type, attributes and field shapes; got {src!r}"
+            )
     for n, t in dst.tensor_fields().items():
         t.copy_(getattr(src, n))
     return dst
