@@ -26,7 +26,7 @@ from torch import nn
 
 from .core.errors import AOQError, FormatError
 from .core.granularity import PerRow, PerTensor
-from .core.primitives import FLOAT8_DTYPES
+from .core.primitives import FLOAT8_DTYPES, QPARAM_METHODS
 from .core.registry import CONFIG_TYPES, config_type, dtype_from_name, dtype_name, register_config_type
 from .tensors import Float8Tensor, Int4Tensor, Int8Tensor
 from .tensors.int4 import GROUP_SIZES
@@ -54,15 +54,23 @@ class AOQBaseConfig:
 @register_config_type
 @dataclass(frozen=True)
 class Int4WeightOnlyConfig(AOQBaseConfig):
+    """4-bit weights in groups of `group_size` along the input dimension (the last group may be
+    partial). `qparams` chooses each group's scale and zero: "mse" (default) minimises the
+    group's squared reconstruction error, "minmax" maps its range onto the codes. Both give the
+    same Int4Tensor format; a recipe saved without `qparams` reads as the default."""
+
     group_size: int = 128
     symmetric: bool = False
+    qparams: str = "mse"
 
     def __post_init__(self):
         if self.group_size not in GROUP_SIZES:
             raise AOQError(f"Int4WeightOnlyConfig.group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        if self.qparams not in QPARAM_METHODS:
+            raise AOQError(f"Int4WeightOnlyConfig.qparams must be one of {QPARAM_METHODS}, got {self.qparams!r}")
 
     def quantize_weight(self, weight, *, name="weight"):
-        return Int4Tensor.from_float(weight, self.group_size, self.symmetric, name=name)
+        return Int4Tensor.from_float(weight, self.group_size, self.symmetric, qparams=self.qparams, name=name)
 
 
 @register_config_type
@@ -332,3 +340,26 @@ def recipe_from_dict(data: Any, *, where: str = "recipe") -> "AOQBaseConfig | Fq
     if isinstance(data, dict) and data.get("type") == _FQN_TO_CONFIG_TAG:
         return _fqn_to_config_from_dict(data, where)
     return _config_from_dict(data, where)
+
+
+# ---------------------------------------------------------------------- schemes by name
+# The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
+SCHEMES = ("int4", "int8", "int8-dyn", "fp8", "fp8-dyn")
+
+
+def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConfig:
+    """The config a scheme name stands for: int4 (groups of `group_size`, default 128), int8
+    (per row, or groups of `group_size`), int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups)."""
+    if scheme == "int4":
+        return Int4WeightOnlyConfig(group_size=128 if group_size is None else group_size)
+    if scheme == "int8":
+        return Int8WeightOnlyConfig(group_size=group_size)
+    if scheme not in SCHEMES:
+        raise AOQError(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+    if group_size is not None:
+        raise AOQError(f"scheme {scheme} has no group size (it is per row); drop the group size or use int4/int8")
+    return {
+        "int8-dyn": Int8DynamicActivationInt8WeightConfig,
+        "fp8": Float8WeightOnlyConfig,
+        "fp8-dyn": Float8DynamicActivationFloat8WeightConfig,
+    }[scheme]()

@@ -36,12 +36,13 @@ def quantize_(
         for pname, param in module.named_parameters(recurse=False):
             users.setdefault(id(param), []).append(module)
             fqn = f"{module_fqn}.{pname}" if module_fqn else pname
-            if isinstance(param, AOQTensor):
-                continue
             if isinstance(config, FqnToConfig):
                 hit, cfg = config.resolve(fqn, module_fqn, module, pname)
                 if hit:
                     seen_keys.update({fqn, module_fqn})
+            if isinstance(param, AOQTensor):
+                continue  # already quantized (e.g. by calibration), counted as seen above
+            if isinstance(config, FqnToConfig):
                 if filter_fn is not None and not filter_fn(module, module_fqn):
                     cfg = None
             else:

@@ -1,14 +1,19 @@
 #!/usr/bin/env python
-"""Write the format-version-1 fixture checkpoints in tests/fixtures/. Run once, by the first
-release of the format; the files are checked in and NEVER regenerated (the script refuses to
-overwrite them), because their whole point is that old files keep loading. A later format or
-schema version adds new fixtures next to these, written by a copy of this script.
+"""Write the fixture checkpoints in tests/fixtures/, one generation at a time. Each generation is
+written once, by the release that introduced what it covers, and has its own manifest; the files
+are checked in and NEVER regenerated (the script skips a generation whose manifest exists),
+because their whole point is that old files keep loading. A later format or schema version, or a
+new capability of a type, adds a generation to `GENERATIONS` below.
+
+    manifest.json                 format version 1, schema version 1 of every type
+    manifest.partial_groups.json  Int4Tensor with a partial last group (K not a multiple of g)
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
   F.expected.safetensors   plain tensors: for each quantized tensor N, N.input (x, in N's
                            dtype), N.dequantized and N.linear; for each plain tensor N, N itself
-and manifest.json, which lists every file's SHA-256 and every tensor's type and attributes.
+and the generation's manifest, which lists every file's SHA-256 and every tensor's type and
+attributes.
 
 N.linear is `simulate_input_quantization(x) @ dequantize().T` computed in float64. The inputs
 are chosen so that this sum is exact (checked below), so any machine, BLAS or summation order
@@ -56,7 +61,7 @@ def fixture_input(seed: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.randint(-4, 5, (3, k), generator=g).float() / 4).to(dtype)
 
 
-def state_dicts() -> dict[str, dict[str, torch.Tensor]]:
+def state_dicts_v1() -> dict[str, dict[str, torch.Tensor]]:
     return {
         "v1_int4": {
             "asym_g32_bf16": Int4Tensor.from_float(weight(1, 16, 128, BF16), group_size=32),
@@ -93,6 +98,26 @@ def state_dicts() -> dict[str, dict[str, torch.Tensor]]:
             "model.norm.weight": torch.ones(64, dtype=F32),
         },
     }
+
+
+def state_dicts_partial_groups() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "v1_int4_partial_groups": {
+            # One whole group of 64 and a last one of 32.
+            "asym_k96_g64_bf16": Int4Tensor.from_float(weight(18, 16, 96, BF16), group_size=64),
+            "sym_k80_g32_f16": Int4Tensor.from_float(weight(19, 8, 80, F16), group_size=32, symmetric=True),
+            # A single group, shorter than the group size.
+            "asym_k48_g128_f32": Int4Tensor.from_float(weight(20, 16, 48, F32), group_size=128),
+            # SmolLM2's hidden size: four groups of 128 and one of 64.
+            "asym_k576_g128_bf16": Int4Tensor.from_float(weight(21, 16, 576, BF16), group_size=128),
+        },
+    }
+
+
+GENERATIONS = {
+    "manifest.json": state_dicts_v1,
+    "manifest.partial_groups.json": state_dicts_partial_groups,
+}
 
 
 def reference_linear_f64(w, x: torch.Tensor) -> torch.Tensor:
@@ -152,14 +177,7 @@ def sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=FIXTURES, help="output folder (default tests/fixtures)")
-    args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    if os.path.exists(os.path.join(args.out, "manifest.json")):
-        raise SystemExit(f"{args.out} already holds fixtures; they are never regenerated (see docs/format.md)")
-
+def write_generation(out: str, manifest_name: str, state_dicts: dict[str, dict[str, torch.Tensor]]) -> None:
     manifest = {
         "about": "Written once by scripts/make_fixtures.py. Never regenerate; see docs/format.md.",
         "hf_aoq_version": hf_aoq.__version__,
@@ -167,9 +185,11 @@ def main() -> None:
         "torch_version": torch.__version__.split("+")[0],
         "files": {},
     }
-    for seed, (stem, sd) in enumerate(state_dicts().items()):
-        path = os.path.join(args.out, stem + ".safetensors")
-        expected_path = os.path.join(args.out, stem + ".expected.safetensors")
+    for seed, (stem, sd) in enumerate(state_dicts.items()):
+        path = os.path.join(out, stem + ".safetensors")
+        expected_path = os.path.join(out, stem + ".expected.safetensors")
+        if os.path.exists(path) or os.path.exists(expected_path):
+            raise SystemExit(f"{path} already exists; fixtures are never overwritten")
         expected, quantized, plain = {}, {}, []
         for i, (name, t) in enumerate(sd.items()):
             if isinstance(t, hf_aoq.AOQTensor):
@@ -202,10 +222,23 @@ def main() -> None:
             "quantized": quantized,
             "plain": plain,
         }
-    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+    with open(os.path.join(out, manifest_name), "w") as f:
         f.write(compact_lists(json.dumps(manifest, indent=1)) + "\n")
+    print(f"{manifest_name}: wrote {len(manifest['files'])} fixtures and their expected outputs to {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=FIXTURES, help="output folder (default tests/fixtures)")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    for manifest_name, state_dicts in GENERATIONS.items():
+        if os.path.exists(os.path.join(args.out, manifest_name)):
+            print(f"{manifest_name}: already written, kept as it is (fixtures are never regenerated)")
+            continue
+        write_generation(args.out, manifest_name, state_dicts())
     total = sum(os.path.getsize(os.path.join(args.out, n)) for n in os.listdir(args.out))
-    print(f"wrote {len(manifest['files'])} fixtures and their expected outputs to {args.out} ({total / 1e3:.0f} kB)")
+    print(f"{args.out} holds {total / 1e3:.0f} kB")
 
 
 if __name__ == "__main__":

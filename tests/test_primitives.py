@@ -81,11 +81,35 @@ def test_non_finite_input_is_a_clear_error(bad):
         choose_scale_float8(x, (1, 64), torch.float8_e4m3fn)
 
 
-def test_block_size_must_divide():
-    with pytest.raises(AOQError, match="does not divide"):
-        choose_qparams_affine(torch.randn(4, 60), (1, 32), 0, 15, symmetric=False, param_dtype=torch.float32)
+def test_block_size_must_divide_all_but_the_last_dim():
+    with pytest.raises(AOQError, match="does not divide dimension 0"):
+        choose_qparams_affine(torch.randn(6, 64), (4, 32), 0, 15, symmetric=False, param_dtype=torch.float32)
     with pytest.raises(AOQError, match="does not divide"):
         PerGroup(32).block_size((4, 60))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_partial_last_block_is_a_block_of_its_own(symmetric):
+    """K = 60 in groups of 32: one whole group and one of 28, each quantized on its own."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 60)
+    kw = dict(symmetric=symmetric, param_dtype=torch.float32)
+    scale, zero = choose_qparams_affine(x, (1, 32), 0, 15, **kw)
+    assert scale.shape == (4, 2)
+    s0, z0 = choose_qparams_affine(x[:, :32], (1, 32), 0, 15, **kw)
+    s1, z1 = choose_qparams_affine(x[:, 32:], (1, 28), 0, 15, **kw)
+    assert torch.equal(scale, torch.cat([s0, s1], 1))
+    if not symmetric:
+        assert torch.equal(zero, torch.cat([z0, z1], 1))
+    q = quantize_affine(x, (1, 32), scale, zero, 0, 15, torch.uint8)
+    assert q.shape == x.shape
+    assert torch.equal(q[:, 32:], quantize_affine(x[:, 32:], (1, 28), s1, z1, 0, 15, torch.uint8))
+    y = dequantize_affine(q, (1, 32), scale, zero, 0, 15, torch.float32)
+    assert torch.equal(y[:, 32:], dequantize_affine(q[:, 32:], (1, 28), s1, z1, 0, 15, torch.float32))
+    assert sqnr(x, y) > 18
+    # A group longer than the whole row is one partial group.
+    scale, _ = choose_qparams_affine(x, (1, 128), 0, 15, **kw)
+    assert scale.shape == (4, 1)
 
 
 @pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])

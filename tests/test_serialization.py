@@ -427,8 +427,12 @@ BAD_HEADERS = {
         f"tensor '{W0}', field 'scale': shape \\(16, 4\\), expected \\(16, 2\\)",
     ),
     "block size does not tile the shape": (
-        lambda d: entry(d)["attributes"].update(block_size=["ints", [1, 48]]),
+        lambda d: entry(d)["attributes"].update(block_size=["ints", [3, 32]]),
         f"tensor '{W0}', attribute 'block_size'",
+    ),
+    "a partial last group does not match the scale": (
+        lambda d: entry(d)["attributes"].update(block_size=["ints", [1, 48]]),
+        f"tensor '{W0}', field 'scale': shape \\(16, 4\\), expected \\(16, 3\\)",
     ),
     "integer logical dtype": (
         lambda d: entry(d)["attributes"].update(dtype=["dtype", "int32"]),

@@ -8,29 +8,28 @@ the same grid, and coarser groups lose more than they would on the original mode
 
 The text is the first 512 tokens of gensim's lee_background.cor (tests/data/README.md).
 Perplexities measured when the thresholds were set (torch 2.13 CPU, transformers 5.24):
-bf16 25.48, int8 25.37 (-0.4%), int4 g128/g64 36.80 (+44.4%), int4 g32 25.47 (-0.1%).
+bf16 25.48, int8 25.37 (-0.4%), int4 g32 25.47 (-0.1%); int4 g128 (every projection, the
+576-wide ones in four groups of 128 and a partial one of 64): min/max 42.90 (+68.4%), default
+MSE search 38.93 (+52.8%), GPTQ on 1,024 other tokens 38.63 (+51.6%).
+scripts/eval_quality.py has the table in issue 7's protocol.
 """
 import math
 import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_aoq import AOQConfig, AOQError, AOQTensor, FqnToConfig, Int4Tensor, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+from hf_aoq import AOQConfig, AOQTensor, Int4Tensor, Int4WeightOnlyConfig, Int8WeightOnlyConfig
 from hf_aoq import smollm2
+from hf_aoq.calibration import quantize_with_calibration
+from hf_aoq.perplexity import windows
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "lee_background.cor")
 N_TOKENS = 512
 
-# SmolLM2-135M's hidden size is 576 = 4.5 x 128, so group size 128 fits only down_proj (input
-# 1536); every other projection takes the largest group size that divides 576.
-INT4_G128 = FqnToConfig(
-    {
-        "_default": Int4WeightOnlyConfig(group_size=128),
-        r"re:.*\.(q|k|v|o|gate|up)_proj": Int4WeightOnlyConfig(group_size=64),
-    }
-)
+# SmolLM2-135M's hidden size is 576 = 4.5 x 128: the 576-wide projections end in a partial group.
+INT4_G128 = Int4WeightOnlyConfig(group_size=128)
 
 
 def load_quantized(path, recipe):
@@ -54,6 +53,7 @@ def checkpoint(tmp_path_factory):
     # Saved as an ordinary bf16 checkpoint, to quantize from while loading.
     path = tmp_path_factory.mktemp("smollm2")
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return str(path), ids, baseline
 
 
@@ -73,8 +73,10 @@ def test_int4_g128_perplexity_and_round_trip(checkpoint, tmp_path):
     path, ids, baseline = checkpoint
     model = load_quantized(path, INT4_G128)
     assert model.model.layers[0].mlp.down_proj.weight.group_size == 128
-    assert model.model.layers[0].self_attn.q_proj.weight.group_size == 64
-    assert perplexity(model, ids) <= baseline * 1.6  # int4 g128/g64: at most +60% (measured +44%)
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.group_size == 128 and q_proj.to_canonical().scale.shape == (576, 5)  # 4 groups + 64
+    # Default (MSE search): at most +56% (measured +52.8%; issue 7's goal of +8% is not met).
+    assert perplexity(model, ids) <= baseline * 1.56
 
     model.save_pretrained(tmp_path, max_shard_size="30MB")
     assert sum(f.endswith(".safetensors") for f in os.listdir(tmp_path)) >= 2
@@ -93,7 +95,23 @@ def test_int4_g32_matches_the_gguf_grid(checkpoint):
     assert perplexity(model, ids) <= baseline * 1.01
 
 
-def test_plain_g128_names_the_layer_it_does_not_fit(checkpoint):
-    path, _, _ = checkpoint
-    with pytest.raises(AOQError, match=r"q_proj.weight: .*group_size=128.* does not fit this 576x576 weight"):
-        AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(Int4WeightOnlyConfig(128)))
+def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
+    """min/max +68.4%, MSE search (the default) +52.8%, GPTQ on 1,024 other tokens of the same
+    text +51.6%: each ceiling a little above its measurement, and each better than the last."""
+    path, ids, baseline = checkpoint
+    minmax = perplexity(load_quantized(path, Int4WeightOnlyConfig(128, qparams="minmax")), ids)
+    assert minmax <= baseline * 1.71
+    default = perplexity(load_quantized(path, INT4_G128), ids)
+    assert default < minmax * 0.95
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with open(TEXT, encoding="utf-8") as f:
+        all_ids = tokenizer(f.read(), return_tensors="pt").input_ids[0]
+    # Tokens 4,096 to 5,119: not the scored ones.
+    calibration = windows(all_ids, tokenizer.bos_token_id, n_tokens=1024, window=512, offset=4096)
+    report = quantize_with_calibration(model, INT4_G128, calibration, filter_fn=lambda m, f: "lm_head" not in f)
+    assert len(report.calibrated) == 30 * 7
+    calibrated = perplexity(model, ids)
+    assert calibrated <= baseline * 1.54
+    assert calibrated < default

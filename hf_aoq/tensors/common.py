@@ -105,7 +105,7 @@ def check_weight(weight: torch.Tensor, name: str) -> None:
 
 class BlockGridTensor(AOQTensor):
     """Base of the quantized weight types: codes `qdata` (`codes_per_byte` per byte along the
-    last dim) and per-block `scale` (and `zero`) grids of shape (N / block[0], K / block[1]).
+    last dim) and per-block `scale` (and `zero`) grids of shape (N / block[0], ceil(K / block[1])).
 
     It gives them F.linear, F.embedding, the matmul family and slicing; a `transposable` type
     (all fields plain 2-D grids) also gets `t()`, so that `x @ w.t()` runs on the fast kernels.
@@ -159,7 +159,7 @@ def _transpose(func, types, args, kwargs):
 
 # ---------------------------------------------------------------------- block-grid fields
 # Int4, Int8 and Float8 all hold `qdata` (codes, maybe several per byte along the last dim)
-# and per-block `scale` (and `zero`) grids of shape (N / block[0], K / block[1]). Slicing and
+# and per-block `scale` (and `zero`) grids of shape (N / block[0], ceil(K / block[1])). Slicing and
 # row gathers are the same operation on all of them.
 
 def _grid_names(t) -> list[str]:
@@ -171,15 +171,17 @@ def slice_grid(t, dim: int, start: int, end: int, codes_per_byte: int = 1):
     full = t.shape[dim]
     b = block[dim]
     changes = {}
+    last = dim == t.ndim - 1
     if b == full:  # one block spans the dim: the grid is kept, the block shrinks
         block[dim] = end - start
-    elif start % b or end % b:
+    elif start % b or (end % b and not (last and end == full)):
         raise AOQError(
             f"{type(t).__name__}: slice [{start}:{end}] of dim {dim} must align with its block size {b}"
         )
     else:
+        # A slice that ends at the end of the last dim keeps its partial final block.
         for n in _grid_names(t):
-            changes[n] = getattr(t, n).narrow(dim, start // b, (end - start) // b)
+            changes[n] = getattr(t, n).narrow(dim, start // b, -(-(end - start) // b))
     per = codes_per_byte if dim == t.ndim - 1 else 1
     if start % per or end % per:
         raise AOQError(f"{type(t).__name__}: slice [{start}:{end}] of dim {dim} must be a multiple of {per}")
@@ -205,9 +207,12 @@ def select_grid_rows(t, rows: torch.Tensor):
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_grid_fields(fields, qdata_dtypes: tuple[torch.dtype, ...], codes_per_byte: int = 1) -> None:
+def check_grid_fields(
+    fields, qdata_dtypes: tuple[torch.dtype, ...], codes_per_byte: int = 1, *, partial_last_block: bool = False
+) -> None:
     """Refuse canonical block-grid fields that contradict the attributes (a loader calls this,
-    through `check_fields`, before building a tensor from a checkpoint)."""
+    through `check_fields`, before building a tensor from a checkpoint). With
+    `partial_last_block`, the last dim may end in a partial block (docs/format.md)."""
     shape, block, dtype = tuple(fields["shape"]), fields["block_size"], fields["dtype"]
     if not shape:
         raise AOQError("attribute 'shape': a quantized weight needs at least one dimension")
@@ -216,10 +221,10 @@ def check_grid_fields(fields, qdata_dtypes: tuple[torch.dtype, ...], codes_per_b
     if type(block) is not tuple or len(block) != len(shape):
         raise AOQError(f"attribute 'block_size': {block!r} does not match shape {shape}")
     grid = []
-    for d, b in zip(shape, block):
-        if type(b) is not int or b <= 0 or d % b:
+    for dim, (d, b) in enumerate(zip(shape, block)):
+        if type(b) is not int or b <= 0 or (d % b and not (partial_last_block and dim == len(shape) - 1)):
             raise AOQError(f"attribute 'block_size': {block} does not tile shape {shape}")
-        grid.append(d // b)
+        grid.append(-(-d // b))
     grid = tuple(grid)
     qdata = fields["qdata"]
     if qdata.dtype not in qdata_dtypes:
@@ -236,6 +241,6 @@ def check_grid_fields(fields, qdata_dtypes: tuple[torch.dtype, ...], codes_per_b
         if t.dtype not in SCALE_DTYPES:
             raise AOQError(f"field {n!r}: dtype {t.dtype}, expected one of {SCALE_DTYPES}")
         if t.shape != grid:
-            raise AOQError(f"field {n!r}: shape {tuple(t.shape)}, expected {grid} (shape / block_size)")
+            raise AOQError(f"field {n!r}: shape {tuple(t.shape)}, expected {grid} (one entry per block)")
     if zero is not None and zero.dtype != scale.dtype:
         raise AOQError(f"field 'zero': dtype {zero.dtype} differs from scale's {scale.dtype}")

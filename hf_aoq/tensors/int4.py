@@ -1,10 +1,14 @@
 """Int4Tensor: 4-bit weights in groups along the input dimension, asymmetric or symmetric.
 
 Canonical layout (what is saved):
-    qdata   uint8 [N, K/2]   two codes per byte, low nibble = even k
-    scale   [N, K/g]         in the weight's dtype
-    zero    [N, K/g] or None the value that code 8 stands for; None = symmetric (zero 0)
+    qdata   uint8 [N, K/2]         two codes per byte, low nibble = even k
+    scale   [N, ceil(K/g)]         in the weight's dtype
+    zero    [N, ceil(K/g)] or None the value that code 8 stands for; None = symmetric (zero 0)
     w = (q - 8) * scale + zero
+
+K need not be a multiple of g: the last group then covers the remaining K % g columns (SmolLM2's
+hidden size 576 in groups of 128 is four whole groups and one of 64). The device packings pad
+such a weight to whole groups with code 8 and pad the input with zeros, which adds nothing.
 
 Device packings (`packing` attribute) rearrange qdata for aten's int4 kernels and hold scale
 and zero together as [K/g, N, 2]; they are made by `place()` and undone by `to_canonical()`.
@@ -33,16 +37,26 @@ class Int4Tensor(BlockGridTensor):
     codes_per_byte = 2
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, group_size: int = 128, symmetric: bool = False, *, name: str = "weight"):
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        group_size: int = 128,
+        symmetric: bool = False,
+        *,
+        qparams: str = "minmax",
+        name: str = "weight",
+    ):
+        """Quantize a float [N, K] weight in groups of `group_size` along K. `qparams` picks how
+        each group's scale and zero are chosen: "minmax" (the group's range, nothing clips) or
+        "mse" (the least squared reconstruction error; see core.primitives)."""
         check_weight(weight, name)
         if group_size not in GROUP_SIZES:
             raise AOQError(f"{name}: int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
-        n, k = weight.shape
-        if k % group_size:
-            raise AOQError(f"{name}: group_size {group_size} does not divide the input dimension {k} (shape {n}x{k})")
+        if weight.shape[1] % 2:
+            raise AOQError(f"{name}: int4 needs an even input dimension, got shape {tuple(weight.shape)}")
         block = (1, group_size)
         scale, zero = choose_qparams_affine(
-            weight, block, QMIN, QMAX, symmetric=symmetric, param_dtype=weight.dtype, name=name
+            weight, block, QMIN, QMAX, symmetric=symmetric, param_dtype=weight.dtype, name=name, method=qparams
         )
         codes = quantize_affine(weight, block, scale, zero, QMIN, QMAX, torch.uint8)
         return cls(pack_int4(codes), scale, block, weight.shape, weight.dtype, zero=zero)
@@ -50,7 +64,7 @@ class Int4Tensor(BlockGridTensor):
     @classmethod
     def check_fields(cls, fields) -> None:
         super().check_fields(fields)
-        check_grid_fields(fields, (torch.uint8,), codes_per_byte=2)
+        check_grid_fields(fields, (torch.uint8,), codes_per_byte=2, partial_last_block=True)
 
     @property
     def group_size(self) -> int:
@@ -77,3 +91,13 @@ class Int4Tensor(BlockGridTensor):
     def _to_device(self, device: torch.device) -> "Int4Tensor":
         moved = self.to_canonical().apply_to_tensors(lambda t: t.to(device))
         return moved.place() if self.packing is not None else moved
+
+
+def choose_int4_qparams(block: torch.Tensor, config, dtype: torch.dtype, *, name: str = "weight"):
+    """(scale, zero) of one group per row of `block` [N, <= g], chosen as `config` (an
+    Int4WeightOnlyConfig) would, stored in `dtype`. Used by calibrated quantization, which picks
+    each group's parameters on weights it has already adjusted."""
+    return choose_qparams_affine(
+        block, (1, block.shape[1]), QMIN, QMAX, symmetric=config.symmetric, param_dtype=dtype, name=name,
+        method=config.qparams,
+    )
