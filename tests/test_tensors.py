@@ -86,10 +86,16 @@ def test_linear_against_float_and_every_kernel_against_reference(config, floor, 
 def test_cpu_picks_fast_kernels():
     w = torch.randn(64, 256, dtype=torch.bfloat16)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
+    # hf_aoq's own int4/int8 kernels where its extension builds (and, for int4, this torch
+    # packs in the AVX2 layout they read); aten's otherwise.
+    from hf_aoq.kernels import cpu, cpu_ext
+
+    int4 = "cpu_int4_ext" if cpu.int4_ext_ready() else "cpu_int4pack_mm"
+    int8 = "cpu_int8_ext" if cpu_ext.available() else "cpu_int8pack_mm"
     picks = {
-        "Int4": (Int4WeightOnlyConfig(64), "cpu_int4pack_mm"),
-        "Int8": (Int8WeightOnlyConfig(), "cpu_int8pack_mm"),
-        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), "cpu_int8pack_mm"),
+        "Int4": (Int4WeightOnlyConfig(64), int4),
+        "Int8": (Int8WeightOnlyConfig(), int8),
+        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8),
         "Float8": (Float8WeightOnlyConfig(), "cpu_fp8_gemv"),
         "Float8dyn": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), "cpu_fp8_gemv"),
     }
@@ -112,6 +118,44 @@ def test_int4_cpu_packing_roundtrip_is_exact():
         for name, t in canonical.tensor_fields().items():
             assert torch.equal(t, getattr(back, name)), name
         assert torch.equal(packed.dequantize(), canonical.dequantize())
+
+
+@pytest.mark.parametrize("k,g", [(576, 128), (96, 64), (48, 128), (320, 256)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_partial_last_group(k, g, symmetric):
+    """K not a multiple of the group size: the last group is partial, the packings pad it and
+    every kernel agrees with the reference; packing, slicing and lookup stay exact."""
+    torch.manual_seed(0)
+    w = torch.randn(32, k, dtype=torch.bfloat16)
+    q = Int4Tensor.from_float(w, g, symmetric)
+    groups = -(-k // g)
+    assert q.scale.shape == (32, groups) and q.qdata.shape == (32, k // 2)
+    full = q.dequantize()
+    assert sqnr(w, full) > 18
+    # The last group is quantized on its own, exactly as a tensor of just those columns.
+    tail = (groups - 1) * g
+    alone = Int4Tensor.from_float(w[:, tail:], g, symmetric)
+    assert torch.equal(full[:, tail:], alone.dequantize())
+    assert torch.equal(q[:, tail:].dequantize(), full[:, tail:])
+    placed = q.place()
+    assert placed.packing == "cpu_int4pack"
+    back = placed.to_canonical()
+    for name, t in q.tensor_fields().items():
+        assert torch.equal(t, getattr(back, name)), name
+    for shape in [(1, k), (3, 5, k)]:
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        expected = kernels.kernels_for("linear", "Int4Tensor")[-1].fn(x, q, None)
+        # Every CPU kernel for the packing (aten's, and hf_aoq's own where its extension builds).
+        fast = [kn for kn in kernels.kernels_for("linear", "Int4Tensor") if kn.backend == "cpu" and kn.applies(x, placed)]
+        assert "cpu_int4pack_mm" in [kn.name for kn in fast]
+        assert kernels.select_kernel("linear", x, placed) is fast[0]
+        for kn in fast:
+            assert sqnr(expected, kn.fn(x, placed, None)) > 40, kn.name
+        assert sqnr(expected, F.linear(x, placed)) > 40
+    idx = torch.tensor([0, 31, 7])
+    assert torch.equal(F.embedding(idx, q), full[idx])
+    with pytest.raises(AOQError, match="align with its block size"):
+        q[:, : tail + 2]
 
 
 def test_int4_odd_shapes_fall_back_to_canonical():
@@ -188,8 +232,8 @@ def test_mm_addmm_matmul_with_quantized_weight(config):
 
 def test_from_float_bad_input_errors():
     w = torch.randn(16, 96)
-    with pytest.raises(AOQError, match="group_size 64 does not divide the input dimension 96"):
-        Int4Tensor.from_float(w, 64, name="layer.weight")
+    with pytest.raises(AOQError, match="layer.weight: int4 needs an even input dimension"):
+        Int4Tensor.from_float(torch.randn(16, 95), 64, name="layer.weight")
     with pytest.raises(AOQError, match="must be one of"):
         Int4Tensor.from_float(w, 48)
     with pytest.raises(AOQError, match="must be one of"):

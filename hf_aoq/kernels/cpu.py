@@ -1,11 +1,15 @@
-"""CPU kernels: aten's int4 (tinygemm's CPU twin) and int8-weight kernels, and the int4 CPU packing."""
+"""CPU kernels and the int4 CPU packing: aten's int4 (tinygemm's CPU twin) and int8-weight
+kernels, and hf_aoq's own (csrc/, built on first use) for int4, int8 and float8 weights, which
+compute in float32 and win where they apply (measured by scripts/bench_kernels.py)."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ..core.primitives import pack_int4, unpack_int4
 from . import Packing, cpu_ext, register_kernel, register_packing
-from .common import scale_and_zero
+from .common import int4_padded_k, pad_input, pad_int4_codes, scale_and_zero
 from .nibbles import unpack_nibbles
 
 aten = torch.ops.aten
@@ -18,6 +22,15 @@ HAS_INT8_WEIGHT_MM = hasattr(aten, "_weight_int8pack_mm")
 
 # ---------------------------------------------------------------------- int4
 def _int4pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    if codes.device.type == "cpu" and n % 16 == 0 and _int4_layout_matches():
+        # The same bytes as aten's converter (checked once by a probe), ~9x faster: aten's
+        # takes int32 codes, four bytes each, and packs element by element.
+        return avx2_int4pack_bytes(codes).view(n, k // 2)
+    return _aten_int4pack(codes)
+
+
+def _aten_int4pack(codes: torch.Tensor) -> torch.Tensor:
     return aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
 
@@ -27,13 +40,18 @@ def _int4_cpu_available(w) -> bool:
 
 
 def pack_int4_for_cpu(w):
-    """Canonical Int4Tensor -> qdata in aten's CPU int4 layout, scale as [K/g, N, 2] (scale, zero)."""
-    return w.replace(qdata=_int4pack_codes(unpack_int4(w.qdata)), scale=scale_and_zero(w), packing="cpu_int4pack")
+    """Canonical Int4Tensor -> qdata in aten's CPU int4 layout (padded to whole groups), scale
+    as [groups, N, 2] (scale, zero)."""
+    codes = pad_int4_codes(unpack_int4(w.qdata), int4_padded_k(w))
+    return w.replace(qdata=_int4pack_codes(codes), scale=scale_and_zero(w), packing="cpu_int4pack")
 
 
 def unpack_int4_from_cpu(w):
     n, k = w.shape
-    codes = unpack_nibbles(w.qdata, n, k, _int4pack_codes)
+    if _int4_layout_matches():  # the layout is known: undo it directly (80x faster than probing)
+        codes = avx2_int4unpack_codes(w.qdata, n, int4_padded_k(w))[:, :k]
+    else:
+        codes = unpack_nibbles(w.qdata, n, int4_padded_k(w), _int4pack_codes)[:, :k]
     scale = w.scale[..., 0].t().contiguous()
     return w.replace(qdata=pack_int4(codes), scale=scale, packing=None)
 
@@ -50,7 +68,7 @@ def _int4_cpu_applies(x, w) -> bool:
 @register_kernel("linear", "Int4Tensor", "cpu_int4pack_mm", backend="cpu", priority=10, applies=_int4_cpu_applies)
 def int4_cpu_linear(x, w, bias):
     k = w.shape[1]
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = pad_input(x.reshape(-1, k), int4_padded_k(w)).contiguous()
     sz = w.scale if w.scale.dtype == x.dtype else w.scale.to(x.dtype)
     y = aten._weight_int4pack_mm_for_cpu(x2, w.qdata, w.block_size[-1], sz)
     if bias is not None:
@@ -58,9 +76,102 @@ def int4_cpu_linear(x, w, bias):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+# hf_aoq's own int4 kernel (csrc/int_cpu.cpp) reads the bytes of the cpu_int4pack packing and
+# computes in float32: a GEMV that streams the weight at few rows (about 2x aten's bf16 kernel
+# at batch 1, 30x its float32 kernel), a chunked dequantize + float32 GEMM at many rows (about
+# 2x aten's bf16 kernel at 256 rows). It knows aten's AVX2 layout only, so it applies where this
+# torch writes that layout, which a small probe checks once.
+INT4_GEMV_MAX_ROWS = 48  # measured crossover with dequantize + GEMM, 2048x5632, one thread
+
+
+def avx2_int4pack_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """aten's AVX2 CPU int4 layout of [N, K] codes (N a multiple of 16), as flat uint8: per 32
+    rows and per k, 16 bytes with row d in the low and row 16 + d in the high nibble; a last
+    block of 16 rows has, per k, 8 bytes holding rows 2d (low) and 2d + 1 (high)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    full = n // 32 * 32
+    blocks = c[:full].reshape(-1, 2, 16, k)
+    parts = [(blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).reshape(-1)]
+    if full < n:
+        tail = c[full:].reshape(-1, 2, k)
+        parts.append((tail[:, 0] | (tail[:, 1] << 4)).t().reshape(-1))
+    return torch.cat(parts)
+
+
+def avx2_int4unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `avx2_int4pack_bytes`: uint8 codes [n, k] from packed bytes (any shape)."""
+    flat = packed.contiguous().view(torch.uint8).reshape(-1)
+    full = n // 32 * 32
+    head = flat[: full * k // 2].view(-1, k, 16)
+    parts = [torch.stack([head & 15, head >> 4], dim=1).transpose(2, 3).reshape(full, k)]
+    if full < n:
+        tail = flat[full * k // 2:].view(k, (n - full) // 2)
+        parts.append(torch.stack([tail & 15, tail >> 4], dim=-1).reshape(k, n - full).t())
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+@torch._dynamo.assume_constant_result
+def int4_ext_ready() -> bool:
+    """The extension is built and this torch packs int4 for the CPU in the layout it reads."""
+    return _int4_layout_matches() and cpu_ext.available()
+
+
+@functools.lru_cache(maxsize=None)
+def _int4_layout_matches() -> bool:
+    if not HAS_INT4_CPU:
+        return False
+    codes = torch.randint(0, 16, (48, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    try:
+        packed = _aten_int4pack(codes)
+    except RuntimeError:
+        return False
+    return packed.dtype == torch.uint8 and torch.equal(packed.contiguous().reshape(-1), avx2_int4pack_bytes(codes))
+
+
+def _int4pack_linear(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    return cpu_ext.load().int4pack_linear(x2, packed, scale_zero, group_size, INT4_GEMV_MAX_ROWS)
+
+
+# The custom op makes the kernel opaque to torch.compile; eager calls skip its dispatch, which
+# costs as much as the kernel itself for a small layer at batch 1.
+@torch.library.custom_op("hf_aoq::int4pack_linear_cpu", mutates_args=())
+def int4pack_linear_cpu(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    return _int4pack_linear(x2, packed, scale_zero, group_size)
+
+
+@int4pack_linear_cpu.register_fake
+def _(x2, packed, scale_zero, group_size):
+    return x2.new_empty(x2.shape[0], packed.shape[0])
+
+
+def _int4_ext_applies(x, w) -> bool:
+    return _int4_cpu_applies(x, w) and w.qdata.is_contiguous() and w.scale.is_contiguous() and int4_ext_ready()
+
+
+@register_kernel("linear", "Int4Tensor", "cpu_int4_ext", backend="cpu", priority=20, applies=_int4_ext_applies)
+def int4_ext_linear(x, w, bias):
+    """Float32 compute whatever the activation dtype: exact float32 dequantization for float32
+    models; for bf16 models more precise than the reference (which rounds the weight to bf16)."""
+    n, k, padded_k = _int4_dims(w)
+    x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()
+    mm = int4pack_linear_cpu if torch.compiler.is_compiling() else _int4pack_linear
+    y = mm(x2, w.qdata, w.scale, w.block_size[-1])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _int4_dims(w) -> tuple[int, int, int]:
+    with torch._C.DisableTorchFunctionSubclass():  # `w.shape` through __torch_function__ costs 10x
+        n, k = w.shape
+        return n, k, int4_padded_k(w)
+
+
 # ---------------------------------------------------------------------- int8
 def _per_row(w) -> bool:
-    return tuple(w.block_size) == (1, w.shape[1])
+    # Block (1, K), read off the fields: `w.shape` through __torch_function__ is slow per call.
+    return w.block_size[0] == 1 and w.scale.ndim == 2 and w.scale.shape[1] == 1
 
 
 def _int8_cpu_applies(x, w) -> bool:
@@ -103,6 +214,50 @@ def int8_cpu_linear(x, w, bias):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+# hf_aoq's own int8 kernel (csrc/int_cpu.cpp), in float32: at batch 1 about as fast as aten's
+# bf16 kernel and 10-30x its float32 kernel; at many rows a chunked dequantize (q * scale, as the
+# reference) + float32 GEMM, about 2x aten's bf16 kernel at 256 rows.
+INT8_GEMV_MAX_ROWS = 8  # measured crossover with dequantize + GEMM, 2048x5632, one thread
+
+
+def _int8_linear(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS)
+
+
+@torch.library.custom_op("hf_aoq::int8_linear_cpu", mutates_args=())
+def int8_linear_cpu(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _int8_linear(x2, qdata, scale)
+
+
+@int8_linear_cpu.register_fake
+def _(x2, qdata, scale):
+    return x2.new_empty(x2.shape[0], qdata.shape[0])
+
+
+def _int8_ext_applies(x, w) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in FLOATS
+        and _per_row(w)
+        and w.qdata.is_contiguous()
+        and cpu_ext.available()
+    )
+
+
+@register_kernel("linear", "Int8Tensor", "cpu_int8_ext", backend="cpu", priority=20, applies=_int8_ext_applies)
+def int8_ext_linear(x, w, bias):
+    """Weight-only and dynamic int8 alike (dynamic activations are quantized per token and
+    dequantized in x's dtype first, as the reference does), computed in float32."""
+    n, k = w.qdata.shape
+    x = w.simulate_input_quantization(x)
+    x2 = x.reshape(-1, k).float().contiguous()
+    mm = int8_linear_cpu if torch.compiler.is_compiling() else _int8_linear
+    y = mm(x2, w.qdata, w.scale.reshape(-1).float().contiguous())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 # ---------------------------------------------------------------------- float8
 # float32 value of a float8 code placed by the bit trick in csrc/fp8_cpu.cpp, relative to its
 # true value: 2^-(127 - exponent bias).
@@ -120,13 +275,24 @@ def _(x2, codes, row_scale, shift):
     return x2.new_empty(x2.shape[0], codes.shape[0])
 
 
+@torch.library.custom_op("hf_aoq::fp8_dequant_linear_cpu", mutates_args=())
+def fp8_dequant_linear_cpu(x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shift: int) -> torch.Tensor:
+    return cpu_ext.load().fp8_dequant_linear(x2, codes, scale, shift)
+
+
+@fp8_dequant_linear_cpu.register_fake
+def _(x2, codes, scale, shift):
+    return x2.new_empty(x2.shape[0], codes.shape[0])
+
+
 def _float8_cpu_applies(x, w) -> bool:
-    n, k = w.shape
+    if not w.qdata.is_contiguous():
+        return False
+    n, k = w.qdata.shape  # == w.shape for a contiguous (untransposed) weight; w.shape is slow
     return (
         x.device.type == "cpu"
         and x.dtype in FLOATS
         and tuple(w.block_size) in ((1, k), (n, k))
-        and w.qdata.is_contiguous()
         and cpu_ext.available()
     )
 
@@ -134,17 +300,21 @@ def _float8_cpu_applies(x, w) -> bool:
 @register_kernel("linear", "Float8Tensor", "cpu_fp8_gemv", backend="cpu", priority=10, applies=_float8_cpu_applies)
 def float8_cpu_linear(x, w, bias):
     """Float8 weights (weight-only, or dynamic with the input fake-quantized first) in float32.
-    Few rows: hf_aoq's fused kernel reads the float8 weight directly. Many rows: upcast once
-    and use float32 GEMM, several times faster than bf16 GEMM on AVX2 CPUs."""
-    n, k = w.shape
+    Few rows: hf_aoq's fused kernel reads the float8 weight directly. Many rows: chunks of the
+    weight dequantized exactly as the reference does (about 3x faster than torch's own float8
+    upcast) and float32 GEMM, several times faster than bf16 GEMM on AVX2 CPUs."""
+    n, k = w.qdata.shape
     x = w.simulate_input_quantization(x)
     x2 = x.reshape(-1, k).float().contiguous()
+    shift, factor = _FP8_SHIFT_AND_FACTOR[w.qdata.dtype]
     if x2.shape[0] <= FP8_GEMV_MAX_ROWS:
-        shift, factor = _FP8_SHIFT_AND_FACTOR[w.qdata.dtype]
         row_scale = (w.scale.float().reshape(-1) * factor).expand(n).contiguous()
-        y = fp8_linear_cpu(x2, w.qdata.view(torch.uint8), row_scale, shift)
+        mm = fp8_linear_cpu if torch.compiler.is_compiling() else cpu_ext.load().fp8_linear
+        y = mm(x2, w.qdata.view(torch.uint8), row_scale, shift)
     else:
-        y = x2 @ w.dequantize(torch.float32).t()
+        row_scale = w.scale.float().reshape(-1).expand(n).contiguous()
+        mm = fp8_dequant_linear_cpu if torch.compiler.is_compiling() else cpu_ext.load().fp8_dequant_linear
+        y = mm(x2, w.qdata.view(torch.uint8), row_scale, shift)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -1,6 +1,7 @@
 """hf_aoq's own CPU kernels, compiled from csrc/ on first use with torch's C++ extension tools.
 
-Where aten has no fused kernel for a format (float8 weights on CPU), a small C++ loop beats
+Where aten has no fused kernel for a format (float8 weights on CPU), or its kernel is slow (int4
+and int8 weights with float32 activations, or at many rows), a small C++ loop beats
 any composition of aten ops. The build happens once per machine (torch caches it); when it is
 impossible (no compiler, no ninja) `load()` returns None and the kernel table falls back.
 """
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("fp8_cpu.cpp", "int_cpu.cpp")
+FUNCTIONS = ["fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,14 +27,15 @@ def load():
     try:
         from torch.utils import cpp_extension
 
-        flags = ["-O3"]
+        # No contraction of a separate multiply and add into an FMA: the dequantizing kernels
+        # must round as the reference does.
+        flags = ["-O3", "-ffp-contract=off"]
         if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
             flags += ["-mavx2", "-mfma"]
-        source = (CSRC / "fp8_cpu.cpp").read_text()
         return cpp_extension.load_inline(
             name="hf_aoq_cpu_" + torch.__version__.replace(".", "_").replace("+", "_"),
-            cpp_sources=[source],
-            functions=["fp8_linear"],
+            cpp_sources=[(CSRC / name).read_text() for name in SOURCES],
+            functions=FUNCTIONS,
             extra_cflags=flags + ["-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

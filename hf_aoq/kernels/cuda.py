@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..core.primitives import pack_int4, unpack_int4
 from . import Packing, register_kernel, register_packing
-from .common import quantize_int8_per_token, scale_and_zero
+from .common import int4_padded_k, pad_input, pad_int4_codes, quantize_int8_per_token, scale_and_zero
 from .nibbles import unpack_nibbles
 
 aten = torch.ops.aten
@@ -60,12 +60,13 @@ def _tinygemm_available(w) -> bool:
         and _cap(w.qdata) >= (8, 0)
         and w.block_size[-1] in INT4_GROUP_SIZES
         and n % 8 == 0
-        and _inner_k_tiles(k) > 0
+        and _inner_k_tiles(int4_padded_k(w)) > 0
     )
 
 
 def pack_int4_for_tinygemm(w):
-    packed = _tinygemm_pack_fn(w.shape[1])(unpack_int4(w.qdata))
+    kp = int4_padded_k(w)
+    packed = _tinygemm_pack_fn(kp)(pad_int4_codes(unpack_int4(w.qdata), kp))
     # scale_and_zero keeps the canonical scale dtype so that unpacking is exact; the kernel
     # casts to bf16, which tinygemm requires.
     return w.replace(qdata=packed, scale=scale_and_zero(w), packing="cuda_tinygemm")
@@ -73,7 +74,8 @@ def pack_int4_for_tinygemm(w):
 
 def unpack_int4_from_tinygemm(w):
     n, k = w.shape
-    codes = unpack_nibbles(w.qdata, n, k, _tinygemm_pack_fn(k))
+    kp = int4_padded_k(w)
+    codes = unpack_nibbles(w.qdata, n, kp, _tinygemm_pack_fn(kp))[:, :k]
     return w.replace(qdata=pack_int4(codes), scale=w.scale[..., 0].t().contiguous(), packing=None)
 
 
@@ -91,7 +93,8 @@ def _tinygemm_applies(x, w) -> bool:
 def int4_tinygemm_linear(x, w, bias):
     k = w.shape[1]
     sz = w.scale if w.scale.dtype == torch.bfloat16 else w.scale.to(torch.bfloat16)
-    y = aten._weight_int4pack_mm(x.reshape(-1, k).contiguous(), w.qdata, w.block_size[-1], sz)
+    x2 = pad_input(x.reshape(-1, k), int4_padded_k(w)).contiguous()
+    y = aten._weight_int4pack_mm(x2, w.qdata, w.block_size[-1], sz)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])

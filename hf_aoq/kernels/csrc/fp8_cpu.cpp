@@ -11,6 +11,7 @@
 // Subnormal float32 inputs must not be flushed, so DAZ is cleared for the call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cmath>
 #include <cstring>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -34,13 +35,46 @@ struct DenormalsKept {
 };
 
 #if defined(__AVX2__)
+// Sign-extend each byte to 32 bits and shift: the exponent and mantissa land in place, the sign
+// copies above them are masked off except the top one, which is the float32 sign.
 inline __m256 codes_to_scaled_floats(const uint8_t* p, int shift) {
-  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  __m256i b = _mm256_cvtepu8_epi32(bytes);
-  __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-  __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
-  __m256i body = shift == 20 ? _mm256_slli_epi32(em, 20) : _mm256_slli_epi32(em, 21);
-  return _mm256_castsi256_ps(_mm256_or_si256(sign, body));
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (shift == 20)
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(int(0x87F00000u))));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 21), _mm256_set1_epi32(int(0x8FE00000u))));
+}
+
+// Dot products of one weight row with MB activation rows, U independent accumulator chains per
+// activation row (one chain would leave the loop waiting on FMA latency).
+template <int MB, int U>
+inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, float* acc) {
+  __m256 v[MB][U];
+  for (int i = 0; i < MB; ++i)
+    for (int u = 0; u < U; ++u) v[i][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 w = codes_to_scaled_floats(row + k + 8 * u, s);
+      for (int i = 0; i < MB; ++i) v[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i * K + k + 8 * u), w, v[i][u]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w = codes_to_scaled_floats(row + k, s);
+    for (int i = 0; i < MB; ++i) v[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i * K + k), w, v[i][0]);
+  }
+  for (int i = 0; i < MB; ++i) {
+    __m256 t = v[i][0];
+    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, v[i][u]);
+    __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
+    __m128 q = _mm_add_ps(lo, hi);
+    q = _mm_hadd_ps(q, q);
+    q = _mm_hadd_ps(q, q);
+    acc[i] = _mm_cvtss_f32(q);
+  }
+  for (; k < K; ++k) {
+    const float w = code_to_scaled_float(row[k], s);
+    for (int i = 0; i < MB; ++i) acc[i] += xp[i * K + k] * w;
+  }
 }
 #endif
 
@@ -69,29 +103,67 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = std::min<int64_t>(MB, M - m0);
         float acc[MB] = {0.f, 0.f, 0.f, 0.f};
-        int64_t k = 0;
+        const float* xm = xp + m0 * K;
 #if defined(__AVX2__)
-        __m256 vacc[MB] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (; k + 8 <= K; k += 8) {
-          __m256 w = codes_to_scaled_floats(row + k, s);
-          for (int64_t i = 0; i < mb; ++i)
-            vacc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + (m0 + i) * K + k), w, vacc[i]);
+        switch (mb) {
+          case 1: fp8_row_dots<1, 4>(row, xm, K, s, acc); break;
+          case 2: fp8_row_dots<2, 2>(row, xm, K, s, acc); break;
+          case 3: fp8_row_dots<3, 2>(row, xm, K, s, acc); break;
+          default: fp8_row_dots<4, 1>(row, xm, K, s, acc); break;
         }
-        for (int64_t i = 0; i < mb; ++i) {
-          __m128 lo = _mm256_castps256_ps128(vacc[i]), hi = _mm256_extractf128_ps(vacc[i], 1);
-          __m128 v = _mm_add_ps(lo, hi);
-          v = _mm_hadd_ps(v, v);
-          v = _mm_hadd_ps(v, v);
-          acc[i] = _mm_cvtss_f32(v);
+#else
+        for (int64_t k = 0; k < K; ++k) {
+          const float w = code_to_scaled_float(row[k], s);
+          for (int64_t i = 0; i < mb; ++i) acc[i] += xm[i * K + k] * w;
         }
 #endif
-        for (; k < K; ++k) {
-          const float w = code_to_scaled_float(row[k], s);
-          for (int64_t i = 0; i < mb; ++i) acc[i] += xp[(m0 + i) * K + k] * w;
-        }
         for (int64_t i = 0; i < mb; ++i) op[(m0 + i) * N + n] = acc[i] * sp[n];
       }
     }
   });
   return out;
+}
+
+// Many rows: chunks of the weight dequantized to float32 exactly as the reference does it (the
+// code's value times its row's scale, one rounding), each multiplied by float32 GEMM. `scale` is
+// the true per-row scale (not pre-multiplied by the 2^120 / 2^112 factor, which could overflow).
+torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == codes.size(0) && scale.is_contiguous(), "scale: float32 [N]");
+  TORCH_CHECK(shift == 20 || shift == 21, "shift: 20 (e4m3fn) or 21 (e5m2)");
+  TORCH_CHECK(x.size(1) == codes.size(1), "x and codes disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const float exact_factor = shift == 20 ? std::ldexp(1.f, 120) : std::ldexp(1.f, 112);
+  const int s = static_cast<int>(shift);
+  auto y = torch::empty({M, N}, x.options());
+  // About 16 MB of float32 per chunk (see CHUNK_ELEMS in int_cpu.cpp).
+  const int64_t CHUNK = std::min(N, std::max<int64_t>(256, (int64_t(4) << 20) / K));
+  auto wc = torch::empty({CHUNK, K}, x.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += CHUNK) {
+    const int64_t n1 = std::min(N, n0 + CHUNK);
+    auto chunk = wc.narrow(0, 0, n1 - n0);
+    float* wp = chunk.data_ptr<float>();
+    {  // on the calling thread, as in int_cpu.cpp (DEQUANT_NOTE)
+      DenormalsKept keep;
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = cp + n * K;
+        float* o = wp + (n - n0) * K;
+        const float rs = sp[n];
+        int64_t k = 0;
+#if defined(__AVX2__)
+        const __m256 f = _mm256_set1_ps(exact_factor), sv = _mm256_set1_ps(rs);
+        for (; k + 8 <= K; k += 8) {
+          const __m256 v = _mm256_mul_ps(codes_to_scaled_floats(row + k, s), f);  // exact: the code's value
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(v, sv));
+        }
+#endif
+        for (; k < K; ++k) o[k] = (code_to_scaled_float(row[k], s) * exact_factor) * rs;
+      }
+    }
+    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk.t()));
+  }
+  return y;
 }

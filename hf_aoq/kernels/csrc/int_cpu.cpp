@@ -1,0 +1,354 @@
+// Int4 and int8 weight x float activation on CPU, computed in float32.
+//
+// aten's kernels for these formats are built for bf16 activations and are compute-bound:
+// `_weight_int4pack_mm_for_cpu` takes about 3x the time the weight bytes need at batch 1, and
+// both it and `_weight_int8pack_mm` are 10-30x slower again with float32 activations, or at a
+// few hundred rows (prefill), than a float32 GEMM. Here:
+//   few rows:  each weight row block is read once, widened to float32 in registers and dotted
+//              with every activation row (a GEMV that streams the weight);
+//   many rows: chunks of the weight (16 MB of float32 at most) are dequantized exactly as the
+//              reference does it and multiplied by float32 GEMM; nothing is cached.
+//
+// Int4 weights are read in aten's AVX2 CPU layout (what `_convert_weight_to_int4pack_for_cpu`
+// writes on AVX2 builds); Python checks that the running torch writes that layout before using
+// these kernels. Per 32 output rows n0..n0+31 and per k, 16 bytes: byte d holds row n0+d in its
+// low nibble and row n0+16+d in its high nibble. A last block of 16 rows holds, per k, 8 bytes:
+// byte d holds rows n0+2d (low) and n0+2d+1 (high). Scale and zero: [groups, N, 2].
+// The weight is (q - 8) * scale + zero.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK_N = 32;
+
+template <typename T>
+inline float as_float(T v) { return static_cast<float>(v); }
+
+// Scale and (zero - 8 * scale) of rows [n0, n0 + rows) for group g, as float32.
+template <typename T>
+inline void group_params(const T* sz, int64_t N, int64_t g, int64_t n0, int64_t rows, float* s, float* zc) {
+  const T* p = sz + (g * N + n0) * 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    s[r] = as_float(p[2 * r]);
+    zc[r] = as_float(p[2 * r + 1]) - 8.f * s[r];
+  }
+}
+
+// Code of row r (0..rows-1) at column k inside a block whose bytes start at `blk`.
+inline int code_at(const uint8_t* blk, int64_t rows, int64_t k, int64_t r) {
+  if (rows == BLOCK_N) {
+    const uint8_t b = blk[k * 16 + (r & 15)];
+    return r < 16 ? (b & 15) : (b >> 4);
+  }
+  const uint8_t b = blk[k * (rows / 2) + r / 2];
+  return (r & 1) ? (b >> 4) : (b & 15);
+}
+
+#if defined(__AVX2__)
+// The 32 codes of one k of a full block, as float32 rows 0-7, 8-15, 16-23, 24-31.
+inline void codes32(const uint8_t* p, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i mask = _mm256_set1_epi32(15);
+  w0 = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
+  w1 = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
+  w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+  w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+}
+
+// out[i][0..31] += sum over the group of x[i][k] * code(k), for MB activation rows.
+template <int MB>
+inline void int4_group_dot(const uint8_t* blk, const float* const* xs, int64_t k0, int64_t k1, float (*acc_out)[BLOCK_N]) {
+  __m256 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 w0, w1, w2, w3;
+    codes32(blk + k * 16, w0, w1, w2, w3);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xb = _mm256_broadcast_ss(xs[i] + k);
+      acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+      acc[i][2] = _mm256_fmadd_ps(xb, w2, acc[i][2]);
+      acc[i][3] = _mm256_fmadd_ps(xb, w3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc_out[i] + 8 * j, acc[i][j]);
+}
+
+// One activation row: even and odd k accumulate separately, so that eight independent FMA
+// chains hide the FMA latency (four would leave the loop latency-bound).
+inline void int4_group_dot1(const uint8_t* blk, const float* x, int64_t k0, int64_t k1, float* acc_out) {
+  __m256 a[4], b[4];
+  for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
+  int64_t k = k0;
+  for (; k + 2 <= k1; k += 2) {
+    __m256 w0, w1, w2, w3, v0, v1, v2, v3;
+    codes32(blk + k * 16, w0, w1, w2, w3);
+    codes32(blk + k * 16 + 16, v0, v1, v2, v3);
+    const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
+    a[0] = _mm256_fmadd_ps(xa, w0, a[0]);
+    a[1] = _mm256_fmadd_ps(xa, w1, a[1]);
+    a[2] = _mm256_fmadd_ps(xa, w2, a[2]);
+    a[3] = _mm256_fmadd_ps(xa, w3, a[3]);
+    b[0] = _mm256_fmadd_ps(xb, v0, b[0]);
+    b[1] = _mm256_fmadd_ps(xb, v1, b[1]);
+    b[2] = _mm256_fmadd_ps(xb, v2, b[2]);
+    b[3] = _mm256_fmadd_ps(xb, v3, b[3]);
+  }
+  for (; k < k1; ++k) {
+    __m256 w0, w1, w2, w3;
+    codes32(blk + k * 16, w0, w1, w2, w3);
+    const __m256 xa = _mm256_broadcast_ss(x + k);
+    a[0] = _mm256_fmadd_ps(xa, w0, a[0]);
+    a[1] = _mm256_fmadd_ps(xa, w1, a[1]);
+    a[2] = _mm256_fmadd_ps(xa, w2, a[2]);
+    a[3] = _mm256_fmadd_ps(xa, w3, a[3]);
+  }
+  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc_out + 8 * j, _mm256_add_ps(a[j], b[j]));
+}
+#endif
+
+template <typename T>
+void int4_gemv(const float* x, const uint8_t* w, const T* sz, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
+  const int64_t G = K / gs;
+  // Per activation row and group, the sum of x: it carries the (zero - 8 * scale) term.
+  std::vector<float> xsum(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += x[m * K + k];
+      xsum[m * G + g] = s;
+    }
+  const int64_t NB = (N + BLOCK_N - 1) / BLOCK_N;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> out(M * BLOCK_N);
+    float s[BLOCK_N], zc[BLOCK_N], acc[2][BLOCK_N];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - n0);
+      const uint8_t* blk = w + n0 * K / 2;
+      std::fill(out.begin(), out.end(), 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        group_params(sz, N, g, n0, rows, s, zc);
+        const int64_t k0 = g * gs, k1 = k0 + gs;
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+          const int mb = static_cast<int>(std::min<int64_t>(2, M - m0));
+          const float* xs[2] = {x + m0 * K, x + std::min(m0 + 1, M - 1) * K};
+#if defined(__AVX2__)
+          if (rows == BLOCK_N) {
+            if (mb == 2) int4_group_dot<2>(blk, xs, k0, k1, acc);
+            else int4_group_dot1(blk, xs[0], k0, k1, acc[0]);
+          } else
+#endif
+          {
+            for (int i = 0; i < mb; ++i)
+              for (int64_t r = 0; r < rows; ++r) {
+                float a = 0.f;
+                for (int64_t k = k0; k < k1; ++k) a += xs[i][k] * float(code_at(blk, rows, k, r));
+                acc[i][r] = a;
+              }
+          }
+          for (int i = 0; i < mb; ++i) {
+            const float xsg = xsum[(m0 + i) * G + g];
+            float* o = out.data() + (m0 + i) * BLOCK_N;
+            for (int64_t r = 0; r < rows; ++r) o[r] += s[r] * acc[i][r] + zc[r] * xsg;
+          }
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, out.data() + m * BLOCK_N, rows * sizeof(float));
+    }
+  });
+}
+
+// W^T for rows [n0, n1) (block aligned) as float32 [K, n1 - n0]: (q - 8) * scale + zero, with a
+// separate multiply and add (built with -ffp-contract=off), as the reference computes it.
+template <typename T>
+void int4_dequant_t(const uint8_t* w, const T* sz, float* out, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
+  const int64_t C = n1 - n0, G = K / gs;
+  const int64_t b0 = n0 / BLOCK_N, b1 = (n1 + BLOCK_N - 1) / BLOCK_N;
+  // Serial on purpose: see DEQUANT_NOTE.
+  auto body = [&](int64_t bb0, int64_t bb1) {
+    float s[BLOCK_N], z[BLOCK_N];
+    for (int64_t b = bb0; b < bb1; ++b) {
+      const int64_t bn0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - bn0);
+      const uint8_t* blk = w + bn0 * K / 2;
+      float* o = out + (bn0 - n0);
+      for (int64_t g = 0; g < G; ++g) {
+        const T* p = sz + (g * N + bn0) * 2;
+        for (int64_t r = 0; r < rows; ++r) {
+          s[r] = as_float(p[2 * r]);
+          z[r] = as_float(p[2 * r + 1]);
+        }
+        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+          float* ok = o + k * C;
+#if defined(__AVX2__)
+          if (rows == BLOCK_N) {
+            __m256 q[4];
+            codes32(blk + k * 16, q[0], q[1], q[2], q[3]);
+            const __m256 eight = _mm256_set1_ps(8.f);
+            for (int j = 0; j < 4; ++j) {
+              const __m256 v = _mm256_mul_ps(_mm256_sub_ps(q[j], eight), _mm256_loadu_ps(s + 8 * j));
+              _mm256_storeu_ps(ok + 8 * j, _mm256_add_ps(v, _mm256_loadu_ps(z + 8 * j)));
+            }
+            continue;
+          }
+#endif
+          for (int64_t r = 0; r < rows; ++r) {
+            const float v = (float(code_at(blk, rows, k, r)) - 8.f) * s[r];
+            ok[r] = v + z[r];
+          }
+        }
+      }
+    }
+  };
+  body(b0, b1);
+}
+
+// DEQUANT_NOTE: the many-rows paths dequantize each chunk on the calling thread. Dequantizing
+// in a parallel region between the GEMM's parallel regions made the whole call 3-4x slower with
+// two threads on a shared 2-core machine (spinning OpenMP workers; fine with
+// OMP_WAIT_POLICY=PASSIVE), while the dequantization is a few percent of the GEMM's time.
+// Weight rows per dequantized chunk in the GEMM paths: about 16 MB of float32 at most, a
+// multiple of 32 (the int4 block). Smaller chunks cost GEMM efficiency with two threads
+// (256 rows: 1.8x the time of one GEMM over all rows; 1024 and up: about 1x).
+constexpr int64_t CHUNK_ELEMS = int64_t(4) << 20;
+
+inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(256, CHUNK_ELEMS / K / 32 * 32); }
+
+template <typename T>
+void int4_gemm(const torch::Tensor& x, const uint8_t* w, const T* sz, torch::Tensor& y, int64_t N, int64_t K, int64_t gs) {
+  const int64_t C = std::min(N, chunk_rows(K));
+  auto wt = torch::empty({K, C}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += C) {
+    const int64_t n1 = std::min(N, n0 + C);
+    auto chunk = wt;
+    if (n1 - n0 < C) chunk = torch::empty({K, n1 - n0}, x.options());
+    int4_dequant_t(w, sz, chunk.data_ptr<float>(), N, K, gs, n0, n1);
+    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk));
+  }
+}
+
+}  // namespace
+
+// x: float32 [M, K] contiguous, K a multiple of group_size; packed: uint8 [N, K/2] in aten's AVX2
+// layout; scale_zero: [K/group_size, N, 2] float32, bfloat16 or float16. Returns float32 [M, N].
+torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
+                              int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
+              "packed: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "K must be a multiple of group_size");
+  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == K / group_size && scale_zero.size(1) == N &&
+                  scale_zero.size(2) == 2 && scale_zero.is_contiguous(),
+              "scale_zero: contiguous [K/group_size, N, 2]");
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  auto run = [&](auto* sz) {
+    if (M <= gemv_max_rows)
+      int4_gemv(x.data_ptr<float>(), w, sz, y.data_ptr<float>(), M, N, K, group_size);
+    else
+      int4_gemm(x, w, sz, y, N, K, group_size);
+  };
+  switch (scale_zero.scalar_type()) {
+    case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
+    case torch::kBFloat16: run(scale_zero.data_ptr<c10::BFloat16>()); break;
+    case torch::kFloat16: run(scale_zero.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "scale_zero: float32, bfloat16 or float16");
+  }
+  return y;
+}
+
+namespace {
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], activation rows two at a time.
+void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const int8_t* row = q + n * K;
+      for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const bool two = m0 + 1 < M;
+        const float* x0 = x + m0 * K;
+        const float* x1 = x + (two ? m0 + 1 : m0) * K;
+        float a0 = 0.f, a1 = 0.f;
+        int64_t k = 0;
+#if defined(__AVX2__)
+        __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+        __m256 u0 = _mm256_setzero_ps(), u1 = _mm256_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+          const __m256 wa = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
+          const __m256 wb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8))));
+          v0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), wa, v0);
+          u0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), wb, u0);
+          if (two) {
+            v1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k), wa, v1);
+            u1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k + 8), wb, u1);
+          }
+        }
+        a0 = hsum(_mm256_add_ps(v0, u0));
+        a1 = hsum(_mm256_add_ps(v1, u1));
+#endif
+        for (; k < K; ++k) {
+          a0 += x0[k] * float(row[k]);
+          a1 += x1[k] * float(row[k]);
+        }
+        y[m0 * N + n] = a0 * scale[n];
+        if (two) y[(m0 + 1) * N + n] = a1 * scale[n];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
+// [M, N]. Many rows: chunks of q * scale (the reference's float32 dequantization) and GEMM.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous() && q.size(1) == x.size(1),
+              "q: contiguous int8 [N, K]");
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == q.size(0) && scale.is_contiguous(), "scale: float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M <= gemv_max_rows) {
+    int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+    return y;
+  }
+  const int64_t CHUNK = std::min(N, chunk_rows(K));
+  auto wc = torch::empty({CHUNK, K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += CHUNK) {
+    const int64_t n1 = std::min(N, n0 + CHUNK);
+    auto chunk = wc.narrow(0, 0, n1 - n0);
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* sp = scale.data_ptr<float>();
+    float* cp = chunk.data_ptr<float>();
+    for (int64_t n = n0; n < n1; ++n) {  // serial on purpose: see DEQUANT_NOTE
+      const int8_t* row = qp + n * K;
+      float* o = cp + (n - n0) * K;
+      const float s = sp[n];
+      for (int64_t k = 0; k < K; ++k) o[k] = float(row[k]) * s;
+    }
+    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk.t()));
+  }
+  return y;
+}

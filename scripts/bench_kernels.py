@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""Microbenchmark of the CPU linear kernels against dense bf16 and float32, in one process.
+
+The machines this runs on are small and shared, so absolute times drift by 2-10x from minute to
+minute. Every candidate is therefore timed round-robin (one call of each per round), and the
+table reports the median and best over the rounds and the ratio of medians to dense bf16 and
+float32 measured in the same rounds: compare ratios, not milliseconds, across runs.
+
+    .venv/bin/python scripts/bench_kernels.py                       # 2048x5632, rows 1 and 256
+    .venv/bin/python scripts/bench_kernels.py --shape 5632x2048 --rows 1,4,16,64 --rounds 20
+    .venv/bin/python scripts/bench_kernels.py --threads 1
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_kernels.py
+
+On a machine shared with other busy processes, OpenMP's default spin-waiting makes every
+parallel region wait on descheduled threads: with two threads, a decode step measured 5x
+slower than with OMP_WAIT_POLICY=PASSIVE or --threads 1. Use one of those there.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+def candidates(n: int, k: int, m: int, dtype: torch.dtype):
+    """(name, zero-argument callable) pairs for an [m, k] activation and an [n, k] weight."""
+    from hf_aoq import Float8Tensor, Int4Tensor, Int8Tensor
+    from hf_aoq.kernels import cpu, cpu_ext
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(m, k, dtype=dtype)
+    w_bf16, w_fp32 = w.to(torch.bfloat16), w.float()
+    x_bf16, x_fp32 = x.to(torch.bfloat16), x.float()
+    out = [("dense bf16", lambda: F.linear(x_bf16, w_bf16)), ("dense fp32", lambda: F.linear(x_fp32, w_fp32))]
+
+    q4 = Int4Tensor.from_float(w.to(dtype), 128).place()
+    if q4.packing == "cpu_int4pack":
+        sz = q4.scale
+        out.append(("aten int4pack " + str(dtype)[6:],
+                    lambda: aten._weight_int4pack_mm_for_cpu(x, q4.qdata, 128, sz)))
+    ext = cpu_ext.load()
+    if q4.packing == "cpu_int4pack" and ext is not None and hasattr(ext, "int4pack_linear"):
+        out.append(("hf_aoq ext int4 (gemv)", lambda: ext.int4pack_linear(x_fp32, q4.qdata, sz, 128, 1 << 30).to(dtype)))
+        out.append(("hf_aoq ext int4 (dequant+gemm)", lambda: ext.int4pack_linear(x_fp32, q4.qdata, sz, 128, 0).to(dtype)))
+    out.append(("hf_aoq int4 F.linear", lambda: F.linear(x, q4)))
+
+    q8 = Int8Tensor.from_float(w.to(dtype))
+    s8 = q8.scale.reshape(-1).to(dtype)
+    if cpu.HAS_INT8_WEIGHT_MM:
+        out.append(("aten int8pack " + str(dtype)[6:], lambda: aten._weight_int8pack_mm(x, q8.qdata, s8)))
+    if ext is not None and hasattr(ext, "int8_linear"):
+        s8f = q8.scale.reshape(-1).float().contiguous()
+        out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30).to(dtype)))
+        out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0).to(dtype)))
+    out.append(("hf_aoq int8 F.linear", lambda: F.linear(x, q8)))
+    q8d = Int8Tensor.from_float(w.to(dtype), act_quant="per_token")
+    out.append(("hf_aoq int8dyn F.linear", lambda: F.linear(x, q8d)))
+
+    if hasattr(torch.ops, "quantized") and hasattr(torch.ops.quantized, "linear_dynamic"):
+        try:
+            qw = torch.quantize_per_channel(w_fp32, (w_fp32.abs().amax(1) / 127).clamp(min=1e-12),
+                                            torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+            torch.ops.quantized.linear_dynamic(x_fp32, packed)
+            out.append(("fbgemm linear_dynamic fp32 (per-tensor act)",
+                        lambda: torch.ops.quantized.linear_dynamic(x_fp32, packed)))
+        except Exception:  # noqa: BLE001 - not built with fbgemm
+            pass
+
+    q8f = Float8Tensor.from_float(w.to(dtype))
+    out.append(("hf_aoq fp8 F.linear", lambda: F.linear(x, q8f)))
+    if not cpu_ext.available():
+        print("note: hf_aoq's CPU extension is unavailable; its kernels fall back")
+    return out
+
+
+def run(n, k, m, dtype, rounds):
+    cands = candidates(n, k, m, dtype)
+    times = {name: [] for name, _ in cands}
+    with torch.inference_mode():
+        for _, f in cands:  # warm-up (and any one-time build)
+            f()
+        for _ in range(rounds):
+            for name, f in cands:
+                start = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    print(f"\n### weight {n}x{k}, {m} rows, {str(dtype)[6:]} activations, {rounds} rounds, "
+          f"{torch.get_num_threads()} threads")
+    print("| kernel | median ms | best ms | ×dense bf16 | ×dense fp32 |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, t in times.items():
+        print(f"| {name} | {med[name]:.3f} | {min(t) * 1e3:.3f} | {med[name] / med['dense bf16']:.3f} | "
+              f"{med[name] / med['dense fp32']:.3f} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="2048x5632", help="NxK of the weight (out x in); comma-separated for several")
+    p.add_argument("--rows", default="1,256", help="comma-separated activation row counts")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--threads", type=int, default=0)
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    for shape in a.shape.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        for m in (int(r) for r in a.rows.split(",")):
+            for dt in a.dtypes.split(","):
+                run(n, k, m, getattr(torch, dt), max(3, a.rounds if m <= 16 else a.rounds // 3))
+
+
+if __name__ == "__main__":
+    main()

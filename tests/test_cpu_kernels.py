@@ -1,0 +1,144 @@
+"""hf_aoq's own CPU kernels (csrc/int_cpu.cpp) against the reference, on both of their paths
+(GEMV at few rows, dequantize + GEMM at many) and on the shapes their blocking treats apart."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_aoq import Int4Tensor, Int8Tensor, kernels
+from hf_aoq.kernels import cpu, cpu_ext
+
+from conftest import sqnr
+
+needs_int4_ext = pytest.mark.skipif(not cpu.int4_ext_ready(), reason="hf_aoq's CPU int4 kernel does not apply here")
+needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
+
+
+def rel_err(expected, got):
+    return float((expected.float() - got.float()).norm() / expected.float().norm())
+
+
+def test_avx2_layout_model_matches_aten_where_the_kernel_applies():
+    if not cpu.int4_ext_ready():
+        pytest.skip("this torch does not pack int4 in the AVX2 layout")
+    # Two full 32-row blocks and a 16-row tail, several groups.
+    codes = torch.randint(0, 16, (80, 256), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    packed = cpu._aten_int4pack(codes)
+    assert torch.equal(packed.reshape(-1), cpu.avx2_int4pack_bytes(codes))
+    # The packing uses the model: the same bytes, shape and dtype as aten's.
+    ours = cpu._int4pack_codes(codes)
+    assert ours.dtype == packed.dtype and ours.shape == packed.shape and torch.equal(ours, packed)
+
+
+ROWS = [1, 2, 3, cpu.INT4_GEMV_MAX_ROWS, cpu.INT4_GEMV_MAX_ROWS + 1, 130]
+
+
+@needs_int4_ext
+@pytest.mark.parametrize("n,k,g", [(64, 256, 32), (80, 384, 128), (48, 512, 256), (16, 128, 64)])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int4_kernel_float32_matches_reference(n, k, g, scale_dtype):
+    """Float32 weights and activations: the kernel computes what the reference computes, up to
+    float32 summation order, on both paths, with 32-row blocks and a 16-row tail."""
+    torch.manual_seed(0)
+    q = Int4Tensor.from_float(torch.randn(n, k, dtype=scale_dtype), g).place()
+    assert q.packing == "cpu_int4pack"
+    w = q.dequantize(torch.float32)
+    kernel = next(kn for kn in kernels.kernels_for("linear", "Int4Tensor") if kn.name == "cpu_int4_ext")
+    bias = torch.randn(n)
+    for m in ROWS:
+        x = torch.randn(m, k)
+        assert kernels.select_kernel("linear", x, q) is kernel
+        expected = F.linear(x, w, bias)
+        assert rel_err(expected, kernel.fn(x, q, bias)) < 1e-5, m
+
+
+@needs_int4_ext
+def test_int4_gemm_path_dequantizes_exactly_as_the_reference():
+    """Fed the identity, the many-rows path returns its float32 dequantized weight: bit for bit
+    the reference's (a separate multiply and add, no FMA contraction)."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = Int4Tensor.from_float(torch.randn(48, 256, dtype=dtype), 64).place()
+        eye = torch.eye(256)
+        got = cpu.int4pack_linear_cpu(eye, q.qdata, q.scale, 64)
+        assert torch.equal(got.t(), q.dequantize(torch.float32))
+
+
+@needs_int4_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_kernel_half_activations(dtype):
+    torch.manual_seed(0)
+    q = Int4Tensor.from_float(torch.randn(96, 256, dtype=dtype), 128).place()
+    for m in (1, 5, 100):
+        x = torch.randn(2, m, 256, dtype=dtype)
+        y = F.linear(x, q)
+        assert y.dtype == dtype and y.shape == (2, m, 96)
+        expected = kernels.kernels_for("linear", "Int4Tensor")[-1].fn(x, q, None)
+        # The reference rounds the weight and the products to `dtype`; the kernel does not.
+        assert sqnr(expected, y) > 40
+
+
+@needs_ext
+@pytest.mark.parametrize("k", [100, 256, 1000])
+@pytest.mark.parametrize("act_quant", [None, "per_token"])
+def test_int8_kernel_matches_reference(k, act_quant):
+    torch.manual_seed(0)
+    q = Int8Tensor.from_float(torch.randn(40, k), act_quant=act_quant)
+    kernel = next(kn for kn in kernels.kernels_for("linear", "Int8Tensor") if kn.name == "cpu_int8_ext")
+    reference = kernels.kernels_for("linear", "Int8Tensor")[-1]
+    bias = torch.randn(40)
+    for m in (1, 2, 3, cpu.INT8_GEMV_MAX_ROWS, cpu.INT8_GEMV_MAX_ROWS + 1, 70):
+        x = torch.randn(m, k)
+        assert kernels.select_kernel("linear", x, q) is kernel
+        assert rel_err(reference.fn(x, q, bias), kernel.fn(x, q, bias)) < 1e-5, m
+        xb = x.bfloat16()
+        assert sqnr(reference.fn(xb, q, bias.bfloat16()), kernel.fn(xb, q, bias.bfloat16())) > 40, m
+
+
+@needs_ext
+def test_int8_kernel_through_a_transposed_weight():
+    """`x @ w.t()` reaches the kernel through the transposed view, which is contiguous again."""
+    torch.manual_seed(0)
+    q = Int8Tensor.from_float(torch.randn(32, 64))
+    x = torch.randn(3, 64)
+    assert rel_err(x @ q.dequantize().t(), x @ q.t()) < 1e-5
+
+
+@needs_ext
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_many_rows_path_dequantizes_exactly_as_the_reference(f8):
+    """Fed the identity, the many-rows path returns the reference's float32 dequantized weight
+    bit for bit, subnormal codes included; and large scales do not overflow."""
+    from hf_aoq import Float8Tensor
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * torch.logspace(-10, 0, 96)  # small columns: subnormal float8 codes
+    w[0] *= 1e6  # a row scale far above 2^8
+    q = Float8Tensor.from_float(w, f8)
+    assert (q.qdata.view(torch.uint8) & 0x7F < (8 if f8 == torch.float8_e4m3fn else 4)).any()
+    shift = cpu._FP8_SHIFT_AND_FACTOR[f8][0]
+    got = cpu.fp8_dequant_linear_cpu(torch.eye(96), q.qdata.view(torch.uint8), q.scale.reshape(-1).contiguous(), shift)
+    assert torch.equal(got.t(), q.dequantize(torch.float32))
+    x = torch.randn(cpu.FP8_GEMV_MAX_ROWS + 5, 96)
+    assert rel_err(F.linear(x, q.dequantize(torch.float32)), F.linear(x, q)) < 1e-5
+
+
+@needs_ext
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("k", [100, 512])
+def test_fp8_gemv_every_row_blocking(f8, k):
+    """The few-rows kernel blocks 1, 2, 3 and 4 activation rows differently; K = 100 leaves tails."""
+    from hf_aoq import Float8Tensor
+
+    torch.manual_seed(0)
+    q = Float8Tensor.from_float(torch.randn(48, k), f8)
+    w = q.dequantize(torch.float32)
+    for m in (1, 2, 3, 4, 5, 7, cpu.FP8_GEMV_MAX_ROWS):
+        x = torch.randn(m, k)
+        assert rel_err(F.linear(x, w), F.linear(x, q)) < 1e-5, m
+
+
+def test_avx2_unpack_inverts_the_packing():
+    for n in (16, 32, 48, 80):
+        codes = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+        packed = cpu.avx2_int4pack_bytes(codes)
+        assert torch.equal(cpu.avx2_int4unpack_codes(packed, n, 64), codes)
