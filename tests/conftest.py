@@ -18,3 +18,101 @@ def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if noise == 0:
         return float("inf")
     return float(10 * torch.log10(ref.pow(2).mean() / noise))
+
+
+def tiny_llama_checkpoint(path, *, seed: int = 0, vocab: int = 512, tie: bool = False):
+    """Save a tiny random bf16 Llama with a word-level tokenizer ("w3 w4 ...") to `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random bf16 Llama checkpoint with a tokenizer, shared by the CLI, Hub and card tests."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama_checkpoint(path)
+    return path
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Fail any connection (or name lookup) to a host other than this machine."""
+    import socket
+
+    real_getaddrinfo, real_connect = socket.getaddrinfo, socket.socket.connect
+
+    def local_only(host):
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise AssertionError(f"a test tried to reach {host!r}; tests may only use the local test hub")
+
+    def getaddrinfo(host, *args, **kwargs):
+        local_only(host)
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    def connect(self, address):
+        if isinstance(address, tuple):
+            local_only(address[0])
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path, no_network):
+    """A local Hub (tests/hub_server.py) on 127.0.0.1 that huggingface_hub and transformers talk
+    to for this test, with its own cache and token. Any connection to another host fails
+    (`no_network`), and the server must not have seen a request it does not serve."""
+    import huggingface_hub
+    import huggingface_hub.constants as constants
+    import transformers.utils.hub as transformers_hub
+    from hub_server import HubServer
+
+    server = HubServer().start()
+    env = {
+        "HF_ENDPOINT": server.url,
+        "HF_TOKEN": "hf_local_test_token",
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_CACHE": str(tmp_path / "hf_home" / "hub"),
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_OFFLINE": "0",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", env["HF_HUB_CACHE"])
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", server.url)
+    monkeypatch.setattr(transformers_hub, "_hf_api", None)
+    server.env = env
+    try:
+        yield server
+    finally:
+        server.stop()
+    assert not server.unhandled, f"the client made requests the test hub does not serve: {server.unhandled}"
+    assert not server.non_local_clients

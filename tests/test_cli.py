@@ -27,3 +27,216 @@ def test_cli_errors_are_one_line():
     result = subprocess.run([sys.executable, "-m", "hf_aoq", "demo", "--group-size", "48"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+# ---------------------------------------------------------------------- quantize / inspect / generate
+# In-process through hf_aoq.cli.main, which `python -m hf_aoq` calls (test_cli_errors_are_one_line
+# above runs the real thing): a subprocess costs seconds of imports on a small machine.
+import importlib.util
+import os
+import json
+import re
+import shutil
+
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_aoq
+from hf_aoq import cli
+from hf_aoq.configs import SCHEMES, config_for_scheme, recipe_to_dict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("no_network")  # the tests below must not need the internet
+
+
+@pytest.fixture(scope="module")
+def int4_dir(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "int4"
+    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--group-size", "32",
+                   "--skip", "model.layers.1.mlp", "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_quantize_saves_checkpoint_tokenizer_and_card(int4_dir):
+    names = set(os.listdir(int4_dir))
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json"} <= names
+    q = json.loads((int4_dir / "config.json").read_text())["quantization_config"]
+    assert q["quant_type"] == {"type": "Int4WeightOnlyConfig", "group_size": 32, "symmetric": False, "qparams": "mse"}
+    assert q["modules_to_not_convert"] == ["model.layers.1.mlp"]
+    model = AutoModelForCausalLM.from_pretrained(int4_dir)
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, hf_aoq.Int4Tensor)
+    assert isinstance(model.model.layers[1].self_attn.o_proj.weight, hf_aoq.Int4Tensor)
+    assert not isinstance(model.model.layers[1].mlp.up_proj.weight, hf_aoq.AOQTensor)
+    card = (int4_dir / "README.md").read_text()
+    assert "weight SQNR, mean over quantized tensors" in card  # measured against the local float weights
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_scheme_name_builds_its_config(scheme):
+    cfg = config_for_scheme(scheme)
+    expected = {
+        "int4": hf_aoq.Int4WeightOnlyConfig(group_size=128),
+        "int8": hf_aoq.Int8WeightOnlyConfig(),
+        "int8-dyn": hf_aoq.Int8DynamicActivationInt8WeightConfig(),
+        "fp8": hf_aoq.Float8WeightOnlyConfig(),
+        "fp8-dyn": hf_aoq.Float8DynamicActivationFloat8WeightConfig(),
+    }[scheme]
+    assert cfg == expected
+    assert cli.build_aoq_config(scheme).quant_type == expected
+
+
+def test_group_size_reaches_the_config():
+    assert config_for_scheme("int4", 64) == hf_aoq.Int4WeightOnlyConfig(group_size=64)
+    assert config_for_scheme("int8", 64) == hf_aoq.Int8WeightOnlyConfig(group_size=64)
+    with pytest.raises(hf_aoq.AOQError, match="no group size"):
+        config_for_scheme("fp8", 64)
+
+
+def test_recipe_file_comes_first_and_scheme_is_the_default(tiny_llama_dir, tmp_path, capsys):
+    recipe = hf_aoq.FqnToConfig({
+        "model.layers.0.self_attn.q_proj": None,
+        "re:.*mlp.*": hf_aoq.Int8WeightOnlyConfig(),
+    })
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe_to_dict(recipe)))
+    out = tmp_path / "mixed"
+    rc = cli.main(["quantize", str(tiny_llama_dir), "--recipe", str(path), "--scheme", "fp8", "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"^\[hf-aoq\] loading .* and quantizing while loading", stdout, re.M)
+    assert re.search(r"^\[hf-aoq\] quantized in [\d.]+ s; saving to ", stdout, re.M)
+    assert re.search(r"^\[hf-aoq\] saved 13 quantized tensors of 21: ", stdout, re.M)
+    layers = AutoModelForCausalLM.from_pretrained(out).model.layers
+    assert isinstance(layers[0].mlp.down_proj.weight, hf_aoq.Int8Tensor)
+    assert isinstance(layers[0].self_attn.k_proj.weight, hf_aoq.Float8Tensor)
+    assert not isinstance(layers[0].self_attn.q_proj.weight, hf_aoq.AOQTensor)
+    assert isinstance(layers[1].self_attn.q_proj.weight, hf_aoq.Float8Tensor)
+
+
+def _row(stdout: str, name: str) -> list[str]:
+    line = next(line for line in stdout.splitlines() if line.startswith(name + " "))
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_inspect_lists_every_tensor_with_sizes_and_error(int4_dir, tiny_llama_dir, capsys):
+    assert cli.main(["inspect", str(int4_dir), "--error", str(tiny_llama_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "format: hf_aoq format version 1, written by hf_aoq " + hf_aoq.__version__ in out
+    name = "model.layers.0.mlp.up_proj.weight"
+    row = _row(out, name)
+    assert row[:3] == [name, "int4 g32 asym", "256x128"]
+    # before: 256*128 bf16; after: what the file stores for it (codes, scale and zero).
+    with safetensors.safe_open(str(int4_dir / "model.safetensors"), "pt") as f:
+        stored = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys() if k.startswith(name + ":"))
+    assert row[3] == "65.5 kB" and row[4] == f"{stored / 1e3:.1f} kB" and stored < 65536 / 3
+    assert 15 < float(row[5]) < 40 and row[6] == "ok"
+    assert _row(out, "model.layers.1.mlp.up_proj.weight")[1:3] == ["bf16", "256x128"]
+    assert re.search(r"^total: 21 tensors, 11 quantized; [\d.]+ kB -> [\d.]+ kB \(0\.\d\dx\)$", out, re.M)
+    assert out.rstrip().endswith("every tensor loads: yes")
+
+
+def test_inspect_reports_a_tensor_that_does_not_load(int4_dir, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(int4_dir, broken)
+    shard = broken / "model.safetensors"
+    with safetensors.safe_open(str(shard), "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.0.mlp.up_proj.weight:scale"] = tensors["model.layers.0.mlp.up_proj.weight:scale"][:10]
+    safetensors.torch.save_file(tensors, str(shard), metadata=metadata)
+    assert cli.main(["inspect", str(broken)]) == 2
+    captured = capsys.readouterr()
+    assert _row(captured.out, "model.layers.0.mlp.up_proj.weight")[-1] == "FAILS"
+    assert _row(captured.out, "model.layers.0.mlp.gate_proj.weight")[-1] == "ok"
+    assert "every tensor loads: NO" in captured.out
+    assert captured.err.count("\n") == 1 and "do not load" in captured.err
+
+
+def test_inspect_a_truncated_file_is_one_line(int4_dir, tmp_path, capsys):
+    broken = tmp_path / "truncated"
+    shutil.copytree(int4_dir, broken)
+    shard = broken / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert cli.main(["inspect", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not load" in err and "model.safetensors" in err
+
+
+def test_generate_prints_the_greedy_text_and_speed(int4_dir, capsys):
+    assert cli.main(["generate", str(int4_dir), "w5 w6 w7", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    match = re.fullmatch(r"(\d+) new tokens in [\d.]+ s: [\d.]+ tokens/s", out[-1])
+    assert match and 1 <= int(match.group(1)) <= 6
+    tokenizer = AutoTokenizer.from_pretrained(int4_dir)
+    model = AutoModelForCausalLM.from_pretrained(int4_dir)
+    ids = tokenizer("w5 w6 w7", return_tensors="pt")
+    with torch.inference_mode():
+        expected = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert out[-2] == tokenizer.decode(expected[0, 3:], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["quantize", "/no/such/model", "--scheme", "int4", "--out", "{tmp}/o"], "no such folder"),
+    (["quantize", "{model}", "--scheme", "fp8", "--group-size", "64", "--out", "{tmp}/o"], "no group size"),
+    (["quantize", "{model}", "--out", "{tmp}/o"], "--scheme int4|int8"),
+    (["quantize", "{model}", "--recipe", "{tmp}/bad.json", "--out", "{tmp}/o"], "bad.json is not valid JSON"),
+    (["quantize", "{model}", "--recipe", "{tmp}/unknown.json", "--out", "{tmp}/o"], "unknown.json"),
+    (["quantize", "{model}", "--recipe", "{tmp}/missing.json", "--out", "{tmp}/o"], "cannot read the recipe file"),
+    (["quantize", "{model}", "--scheme", "int4", "--out", "{model}"], "pass --overwrite"),
+    (["quantize", "{tmp}", "--scheme", "int4", "--out", "{tmp}/o"], "has no config.json"),
+    (["inspect", "{tmp}/nothing"], "no such folder"),
+    (["inspect", "{model}", "--error", "{tmp}/nothing"], "--error"),
+    (["generate", "{float}", "hello"], "no tokenizer"),
+])
+def test_errors_are_one_line_with_what_to_do(argv, message, tiny_llama_dir, tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "unknown.json").write_text(json.dumps({"type": "Int3Config"}))
+    no_tokenizer = tmp_path / "float"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_llama_dir) / name, no_tokenizer / name)
+    argv = [a.format(tmp=tmp_path, model=tiny_llama_dir, float=no_tokenizer) for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"hf-aoq {argv[0]}: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_other_failures_are_one_line_too_and_debug_shows_the_traceback(tiny_llama_dir, tmp_path, capsys):
+    argv = ["quantize", str(tiny_llama_dir), "--scheme", "int8", "--group-size", "48", "--out", str(tmp_path / "o")]
+    assert cli.main(argv) == 1  # 48 does not divide the 128-wide layers
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "AOQError" in err and "does not fit" in err and "--debug" in err
+    with pytest.raises(hf_aoq.AOQError, match="does not fit"):
+        cli.main(argv + ["--debug"])
+    with pytest.raises(cli.CLIError):
+        cli.main(["--debug", "inspect", str(tmp_path / "nothing")])
+
+
+def test_quantize_and_push_script_uses_the_cli_functions(hub, tiny_llama_dir, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("quantize_and_push", REPO_ROOT / "scripts" / "quantize_and_push.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.cli is cli
+    out = tmp_path / "fp8"
+    rc = script.main([str(tiny_llama_dir), "user/tiny-fp8", "--scheme", "fp8-dyn", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    files = hub.repos["user/tiny-fp8"].files
+    assert files["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    assert "fp8 e4m3 per-row dyn-act per_row" in files["README.md"].decode()
+
+
+def test_inspect_reads_the_shards_of_a_checkpoint_as_one(int4_dir, tmp_path, capsys):
+    # save_pretrained writes the metadata of the whole checkpoint into every shard.
+    model = AutoModelForCausalLM.from_pretrained(int4_dir)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    sharded = capsys.readouterr().out
+    assert cli.main(["inspect", str(int4_dir)]) == 0
+    whole = capsys.readouterr().out
+    assert re.search(r"^checkpoint: .* \(\d+ files\)$", sharded, re.M)
+    assert sharded.splitlines()[1:] == whole.splitlines()[1:]

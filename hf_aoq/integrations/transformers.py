@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import re
 import sys
@@ -32,11 +33,13 @@ from transformers.quantizers import auto as _auto
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .. import serialization
+from .. import model_card, serialization
 from ..configs import AOQBaseConfig, FqnToConfig, recipe_from_dict, recipe_to_dict
 from ..core.errors import AOQError, FormatError
 from ..core.registry import DTYPES, tensor_type
 from ..core.tensor import AOQTensor
+
+logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "aoq"
 # Version of the "quantization_config" JSON written to config.json (not of the tensor format).
@@ -50,6 +53,8 @@ _CONFIG_KEYS = (
     "include_embeddings",
     "untie_embedding_weights",
     "dequantize",
+    "calibration",
+    "calibration_tokens",
 )
 
 
@@ -62,6 +67,10 @@ class AOQConfig(QuantizationConfigMixin):
     include_embeddings       also quantize the input embedding and the output embedding (lm_head)
     untie_embedding_weights  when the model ties them, give the output embedding its own weight
     dequantize               load an "aoq" checkpoint as a float model (quant_type may be None)
+    calibration              a UTF-8 text file: load the float weights, then choose every int4
+                             linear weight by GPTQ on its first `calibration_tokens` tokens
+                             (hf_aoq.calibration); slower, and the float model is in memory once
+    calibration_tokens       how many tokens of `calibration` to use (default 2048)
     """
 
     def __init__(
@@ -71,6 +80,8 @@ class AOQConfig(QuantizationConfigMixin):
         include_embeddings: bool = False,
         untie_embedding_weights: bool = False,
         dequantize: bool = False,
+        calibration: str | None = None,
+        calibration_tokens: int = 2048,
     ):
         for name, value in (
             ("include_embeddings", include_embeddings),
@@ -94,6 +105,15 @@ class AOQConfig(QuantizationConfigMixin):
                 except re.error as e:
                     raise AOQError(f"AOQConfig.modules_to_not_convert: {pattern!r} is not a valid regex: {e}") from None
             modules_to_not_convert = list(skips)
+        if calibration is not None and not isinstance(calibration, (str, os.PathLike)):
+            raise AOQError(f"AOQConfig.calibration must be the path of a text file, got {calibration!r}")
+        if isinstance(calibration_tokens, bool) or not isinstance(calibration_tokens, int) or calibration_tokens < 2:
+            raise AOQError(f"AOQConfig.calibration_tokens must be an int >= 2, got {calibration_tokens!r}")
+        if calibration is not None and untie_embedding_weights:
+            raise AOQError("AOQConfig: calibration with untie_embedding_weights is not supported; untie before saving "
+                           "the float checkpoint, or quantize without calibration")
+        self.calibration = None if calibration is None else os.fspath(calibration)
+        self.calibration_tokens = calibration_tokens
         self.quant_method = QUANT_METHOD
         self.quant_type = quant_type
         self.modules_to_not_convert = modules_to_not_convert
@@ -112,6 +132,9 @@ class AOQConfig(QuantizationConfigMixin):
             "include_embeddings": self.include_embeddings,
             "untie_embedding_weights": self.untie_embedding_weights,
             "dequantize": self.dequantize,
+            # Written only when used, so that older readers still read every other config.
+            **({"calibration": self.calibration, "calibration_tokens": self.calibration_tokens}
+               if self.calibration is not None else {}),
         }
 
     @classmethod
@@ -150,6 +173,14 @@ class AOQConfig(QuantizationConfigMixin):
             if not isinstance(value, bool):
                 raise FormatError(f"{where}.{key}: expected true or false, got {value!r}")
             args[key] = value
+        calibration = config_dict.get("calibration")
+        if calibration is not None and not isinstance(calibration, str):
+            raise FormatError(f"{where}.calibration: expected a file path or null, got {calibration!r}")
+        args["calibration"] = calibration
+        tokens = config_dict.get("calibration_tokens", 2048)
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise FormatError(f"{where}.calibration_tokens: expected an integer, got {tokens!r}")
+        args["calibration_tokens"] = tokens
         unused = {}
         for key, value in kwargs.items():
             if key in args:
@@ -210,6 +241,9 @@ class AOQHfQuantizer(HfQuantizer):
             )
         if not self.pre_quantized and config.quant_type is None:
             raise AOQError("AOQConfig needs a quant_type to quantize a float checkpoint")
+        calibration = config.calibration
+        if calibration is not None and not self.pre_quantized and not os.path.isfile(calibration):
+            raise AOQError(f"AOQConfig.calibration: {calibration}: no such text file")
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise AOQError(
                 "hf_aoq cannot offload quantized weights to disk (device_map has 'disk' entries); "
@@ -418,15 +452,20 @@ class AOQHfQuantizer(HfQuantizer):
         return [WeightConverter(names, leaf, [AOQLoad(self)]) for leaf, names in self._serialized.items()]
 
     # ------------------------------------------------------------------ loading hooks
+    def _calibrating(self) -> bool:
+        return not self.pre_quantized and self.quantization_config.calibration is not None
+
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
             return param_name in self._entries
+        if self._calibrating():
+            return False  # loaded as float; quantized with calibration after loading
         return param_name in self._configs or param_name in self._untied
 
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
         """Bytes per element as loaded: measured per layer for quantized weights."""
         nbytes = self._nbytes.get(param_name)
-        if nbytes is None or (self.pre_quantized and self.quantization_config.dequantize):
+        if nbytes is None or self._calibrating() or (self.pre_quantized and self.quantization_config.dequantize):
             return param.element_size()
         return nbytes / param.numel()
 
@@ -467,7 +506,35 @@ class AOQHfQuantizer(HfQuantizer):
             model._weight_conversions = [
                 c for c in conversions if not any(isinstance(op, AOQLoad) for op in getattr(c, "operations", ()))
             ]
+        if self._calibrating():
+            self._quantize_with_calibration(model)
         return model
+
+    def _quantize_with_calibration(self, model) -> None:
+        """Quantize the loaded float model by the plan, int4 linears by GPTQ on the text file."""
+        from transformers import AutoTokenizer
+
+        from .. import calibration, perplexity
+
+        config = self.quantization_config
+        path = config.calibration
+        text = perplexity.read_text(path)
+        source = getattr(model.config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except Exception as e:
+            raise AOQError(f"calibration needs the model's tokenizer, and {source!r} has none that loads "
+                           f"({type(e).__name__}); save the tokenizer next to the checkpoint") from None
+        ids = tokenizer(text, return_tensors="pt").input_ids[0]
+        if ids.numel() < 2:
+            raise AOQError(f"{path}: the calibration text is empty")
+        n_tokens = min(config.calibration_tokens, ids.numel())
+        window = min(512, n_tokens)
+        n_tokens -= n_tokens % window
+        batches = perplexity.windows(ids, tokenizer.bos_token_id, n_tokens=n_tokens, window=window)
+        recipe = FqnToConfig(dict(self._configs))
+        report = calibration.quantize_with_calibration(model, recipe, batches)
+        logger.info("hf_aoq: %s", report.summary())
 
     def get_state_dict_and_metadata(self, model):
         """Plain tensors plus hf_aoq metadata: quantized weights in their canonical layout."""
@@ -710,6 +777,8 @@ def register() -> None:
     loading_types = getattr(_auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
     if isinstance(loading_types, tuple) and AOQConfig not in loading_types:
         _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = loading_types + (AOQConfig,)
+    # save_pretrained and push_to_hub of a quantized model write its model card (README.md).
+    model_card.install_save_hooks()
 
 
 register()

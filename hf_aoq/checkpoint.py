@@ -1,0 +1,266 @@
+"""What a saved checkpoint folder holds, tensor by tensor: scheme, shape, bytes before and after
+quantization, and whether each tensor loads; the quantization error against float weights.
+
+Used by `hf-aoq inspect` and by the model card. Files are read with hf_aoq's strict safetensors
+reader (never pickle); the tensors view a private map of the files, so reading a large
+checkpoint costs little memory. A checkpoint written by `save_pretrained` may keep one tensor's
+fields in different shards, so the shards are read as one set.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import serialization
+from .core.errors import AOQError, FormatError
+from .serialization.common import loads_strict
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class TensorInfo:
+    """One stored tensor: a quantized one (from its metadata) or a plain one."""
+
+    name: str
+    scheme: str  # "int4 g32 asym", "int8 per-row", ... or the dtype of a plain tensor ("bf16")
+    shape: tuple[int, ...]
+    bytes_before: int  # the tensor in its float dtype
+    bytes_after: int  # what the checkpoint stores for it
+    quantized: bool
+    error: str | None = None  # why it does not load; None when it does
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    files: list[Path]
+    tensors: list[TensorInfo]
+    format_versions: list[int] = field(default_factory=list)  # hf_aoq format versions in the metadata
+    writers: list[str] = field(default_factory=list)  # hf_aoq releases that wrote it
+    problems: list[str] = field(default_factory=list)  # checkpoint-level errors (a key no tensor claims...)
+    quantization_config: dict[str, Any] | None = None  # config.json's, when there is one
+    built: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # quantized tensors that loaded
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(t.bytes_before for t in self.tensors)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(t.bytes_after for t in self.tensors)
+
+    @property
+    def loads(self) -> bool:
+        return not self.problems and all(t.error is None for t in self.tensors)
+
+    @property
+    def quantized(self) -> list[TensorInfo]:
+        return [t for t in self.tensors if t.quantized]
+
+
+_SHORT_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "e4m3",
+    torch.float8_e5m2: "e5m2",
+}
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    return _SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dtype]) -> str:
+    """A short name for how a quantized tensor is stored, from its metadata alone."""
+    attrs = entry.attributes
+    shape = tuple(attrs.get("shape") or ())
+    block = tuple(attrs.get("block_size") or ())
+    if len(shape) == 2 and len(block) == 2:
+        if block == shape:
+            grain = "per-tensor"
+        elif block[0] == 1 and block[1] == shape[1]:
+            grain = "per-row"
+        elif block[0] == 1:
+            grain = f"g{block[1]}"
+        else:
+            grain = f"block {block[0]}x{block[1]}"
+    else:
+        grain = f"block {block}" if block else ""
+    kind = {"Int4Tensor": "int4", "Int8Tensor": "int8", "Float8Tensor": "fp8"}.get(entry.type_name, entry.type_name)
+    if kind == "fp8" and "qdata" in field_dtypes:
+        kind = f"fp8 {short_dtype(field_dtypes['qdata'])}"
+    parts = [kind, grain]
+    if entry.type_name == "Int4Tensor":
+        parts.append("asym" if "zero" in entry.keys else "sym")
+    act = attrs.get("act_quant")
+    if act:
+        parts.append(f"dyn-act {act}")
+    return " ".join(p for p in parts if p)
+
+
+def checkpoint_files(path) -> list[Path]:
+    """The .safetensors files of a checkpoint folder (or the one file given)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise AOQError(f"{path}: no such folder")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise AOQError(f"{path}: no .safetensors files; is it a checkpoint folder written by save_pretrained?")
+    return files
+
+
+def read_quantization_config(path) -> dict[str, Any] | None:
+    """config.json's "quantization_config" in a checkpoint folder, or None."""
+    config = Path(path) / CONFIG_FILE
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{config}: not readable JSON ({e})") from None
+    q = data.get("quantization_config") if isinstance(data, dict) else None
+    return q if isinstance(q, dict) else None
+
+
+def read_checkpoint(path, *, build: bool = True) -> CheckpointInfo:
+    """Every tensor of the checkpoint at `path` (a folder or one .safetensors file).
+
+    With `build`, each quantized tensor is rebuilt from its stored fields, which runs every check
+    a load runs; a tensor that fails gets its error, and the others are still reported. A file
+    that is not valid safetensors, or metadata that does not parse, raises FormatError.
+    """
+    path = Path(path)
+    files = checkpoint_files(path)
+    stored: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
+    entries: dict[str, serialization.TensorEntry] = {}
+    texts: set[str] = set()
+    info = CheckpointInfo(path, files, [])
+    for file in files:
+        tensors, metadata = serialization.read_safetensors(file)
+        for key, t in tensors.items():
+            if key in stored:
+                info.problems.append(f"{file.name}: key {key!r} is also in {where[key].name}")
+                continue
+            stored[key] = t
+            where[key] = file
+        text = (metadata or {}).get(serialization.METADATA_KEY)
+        if text is None or text in texts:
+            continue
+        texts.add(text)
+        parsed = serialization.parse_metadata(metadata, source=str(file))  # FormatError if malformed
+        header = loads_strict(text)
+        version, writer = header["format_version"], header["hf_aoq_version"]
+        if version not in info.format_versions:
+            info.format_versions.append(version)
+        if writer not in info.writers:
+            info.writers.append(writer)
+        for name, entry in parsed.items():
+            if entries.setdefault(name, entry) != entry:
+                info.problems.append(f"{file.name}: tensor {name!r} is described differently in another shard")
+    if path.is_dir():
+        info.quantization_config = read_quantization_config(path)
+
+    claimed: set[str] = set()
+    for name, entry in entries.items():
+        fields = {f: stored.get(k) for f, k in entry.keys.items()}
+        claimed.update(entry.keys.values())
+        attrs = entry.attributes
+        shape = tuple(attrs.get("shape") or ())
+        dtype = attrs.get("dtype")
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+        present = {f: t for f, t in fields.items() if t is not None}
+        row = TensorInfo(
+            name=name,
+            scheme=describe(entry, {f: t.dtype for f, t in present.items()}),
+            shape=shape,
+            bytes_before=math.prod(shape) * itemsize,
+            bytes_after=sum(t.numel() * t.element_size() for t in present.values()),
+            quantized=True,
+        )
+        missing = sorted(f for f, t in fields.items() if t is None)
+        if missing:
+            row.error = f"field {missing[0]!r}: the metadata lists key {entry.keys[missing[0]]!r}, which is in no file"
+        elif build:
+            try:
+                info.built[name] = entry.build(present, source=str(where[entry.keys[next(iter(present))]]))
+            except (AOQError, FormatError) as e:
+                row.error = str(e)
+        if name in stored:
+            row.error = row.error or "stored both as a plain tensor and as quantized fields"
+        info.tensors.append(row)
+    for key, t in stored.items():
+        if serialization.SEPARATOR in key:
+            if key not in claimed:
+                info.problems.append(f"{where[key].name}: field key {key!r} is listed by no hf_aoq metadata")
+            continue
+        if key in entries:
+            continue
+        nbytes = t.numel() * t.element_size()
+        info.tensors.append(TensorInfo(key, short_dtype(t.dtype), tuple(t.shape), nbytes, nbytes, False))
+    info.tensors.sort(key=lambda r: _natural_key(r.name))
+    return info
+
+
+def _natural_key(name: str):
+    """Sort "layers.10" after "layers.9"."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
+def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB; inf when identical."""
+    ref = reference.detach().float()
+    noise = (ref - approx.detach().float()).pow(2).mean()
+    if noise == 0:
+        return float("inf")
+    signal = ref.pow(2).mean()
+    if signal == 0:
+        return float("-inf")
+    return float(10 * torch.log10(signal / noise))
+
+
+def weight_errors(info: CheckpointInfo, float_path) -> dict[str, float]:
+    """{quantized tensor: SQNR in dB of its dequantized weight against the float weight of the
+    same name in the checkpoint at `float_path`}. Tensors with no float counterpart of the same
+    shape are left out."""
+    float_tensors: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(float_path):
+        tensors, _ = serialization.read_safetensors(file)
+        float_tensors.update(tensors)
+    out = {}
+    for name, q in info.built.items():
+        ref = float_tensors.get(name)
+        if ref is None or tuple(ref.shape) != tuple(q.shape):
+            continue
+        out[name] = sqnr(ref, q.dequantize(torch.float32))
+    return out
+
+
+def quality_summary(errors: dict[str, float]) -> dict[str, str]:
+    """Figures for a model card from `weight_errors`."""
+    if not errors:
+        return {}
+    finite = [v for v in errors.values() if math.isfinite(v)]
+    mean = sum(finite) / len(finite) if finite else float("inf")
+    worst_name = min(errors, key=errors.get)
+    return {
+        "weight SQNR, mean over quantized tensors": f"{mean:.1f} dB ({len(errors)} tensors)",
+        "weight SQNR, worst tensor": f"{errors[worst_name]:.1f} dB ({worst_name})",
+    }
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
