@@ -240,3 +240,18 @@ def test_inspect_reads_the_shards_of_a_checkpoint_as_one(int4_dir, tmp_path, cap
     whole = capsys.readouterr().out
     assert re.search(r"^checkpoint: .* \(\d+ files\)$", sharded, re.M)
     assert sharded.splitlines()[1:] == whole.splitlines()[1:]
+
+
+def test_readme_quick_start_is_what_ci_and_these_tests_run():
+    """The README's two quick-start commands, verbatim: the first is the demo this file runs
+    (after scripts/install.sh, which .ci/run also runs), the second is CI's test command."""
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.strip().splitlines()]
+    assert commands == [
+        "bash scripts/install.sh && .venv/bin/python -m hf_aoq demo",
+        "bash scripts/install.sh && .venv/bin/python -m pytest -q",
+    ]
+    ci = (root / ".ci" / "run").read_text()
+    assert "scripts/install.sh" in ci and ".venv/bin/python -m pytest -q" in ci
