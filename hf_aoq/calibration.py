@@ -76,7 +76,7 @@ def gptq_int4(
     h.diagonal().add_(damping * torch.diag(h).mean())
     hinv = _upper_cholesky_of_inverse(h, name)
 
-    codes = torch.empty(n, k, dtype=torch.uint8)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     scales, zeros = [], []
     for start in range(0, k, g):
         end = min(start + g, k)
@@ -116,7 +116,7 @@ def _single_thread():
 
 def _upper_cholesky_of_inverse(h: torch.Tensor, name: str) -> torch.Tensor:
     for extra in (0.0, 0.1, 1.0):
-        hh = h if extra == 0 else h + torch.eye(h.shape[0]) * extra * torch.diag(h).mean()
+        hh = h if extra == 0 else h + torch.eye(h.shape[0], device=h.device) * extra * torch.diag(h).mean()
         chol, info = torch.linalg.cholesky_ex(hh)
         if int(info) == 0:
             inv = torch.cholesky_inverse(chol)
