@@ -164,8 +164,8 @@ _MSE_ROWS_PER_CHUNK = 16384  # blocks processed at once: bounds the search's mem
 
 def _mse_qparams(x, block_size, qmin, qmax, symmetric, param_dtype):
     """Per block, the (scale, zero) among several candidates that reconstructs the block with
-    the least squared error, each candidate refined by a few rounds of: round to codes, then
-    the least-squares scale (and zero) for those codes. Never worse than min/max, which is
+    the least squared error, each candidate refined `_MSE_REFINEMENTS` times by: round to codes,
+    then the least-squares scale (and zero) for those codes. Never worse than min/max, which is
     the first candidate. Blocks are rows of `block_size[-1]` elements."""
     b = block_size[-1]
     rows = x.reshape(-1, b)
