@@ -6,12 +6,12 @@ and, after each, spreads its rounding error over the columns not yet quantized s
 layer's output on X changes as little as possible; the weights are then exactly what
 `Int4Tensor` stores (same format, same kernels), only chosen with data.
 
-`quantize_with_calibration(model, config, batches)` runs the sample through the model one
-decoder layer at a time: the inputs of a layer's linears are collected with the layers before
-it already quantized (so later layers learn to absorb earlier errors), each linear is
-quantized from the Gram matrix of its inputs (H = X^T X, K x K, float32), and the next layer
-follows. Memory is the float model plus one layer's Gram matrices; time is one partial
-forward pass per layer.
+`quantize_with_calibration(model, config, batches)` records the inputs of the first decoder
+block once, then goes block by block: the block runs on its recorded inputs to collect the
+inputs of its linears (so each block sees the blocks before it already quantized), each linear
+is quantized from the Gram matrix of its inputs (H = X^T X, K x K, float32), and the quantized
+block runs once more to make the next block's inputs. Memory is the float model, the block
+inputs and one block's Gram matrices; time is about two forward passes plus the GPTQ sweeps.
 
 Only `Int4WeightOnlyConfig` weights are calibrated; other configs in a recipe are quantized
 as `quantize_` would.
@@ -127,7 +127,9 @@ def _upper_cholesky_of_inverse(h: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- whole models
-_LAYER_INDEX = re.compile(r"^(.*)\.(\d+)\.")
+# The outermost numbered ModuleList in a name: `model.layers.3.mlp.experts.2.up_proj` is in block
+# 3 of `model.layers` (its experts are calibrated together, inside that block).
+_LAYER_INDEX = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 class _Stop(Exception):
@@ -225,7 +227,8 @@ def _record_inputs(model, first_layer, batches) -> list[tuple[tuple, dict]]:
         for key in ("past_key_values", "past_key_value"):
             if key in kwargs:
                 kwargs[key] = None  # no cache: each block runs once per batch, on its own
-        kwargs["use_cache"] = False
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
         recorded.append((args, kwargs))
         raise _Stop()
 

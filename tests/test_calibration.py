@@ -133,3 +133,59 @@ def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path, capsys):
                    "--out", str(tmp_path / "x")])
     assert rc != 0
     assert "--calibration" in capsys.readouterr().err
+
+
+class Experts(nn.Module):
+    """A block whose experts (a numbered ModuleList inside a numbered ModuleList) see different
+    tokens: expert e takes the rows with index % 2 == e."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, width, bias=False)) for _ in range(2))
+        # Expert 1's inputs have a few loud channels, so its Gram matrix is far from expert 0's.
+        gain = torch.ones(2, width)
+        gain[1, :8] = 30.0
+        self.register_buffer("gain", gain)
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        for e, expert in enumerate(self.experts):
+            out[:, e::2] = expert(x[:, e::2] * self.gain[e])
+        return x + out
+
+
+class ToyModel(nn.Module):
+    def __init__(self, width=64, vocab=50):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Experts(width) for _ in range(2))
+
+    def forward(self, ids, use_cache=None):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_nested_numbered_modules_are_calibrated_on_their_own_inputs():
+    torch.manual_seed(0)
+    model = ToyModel()
+    batches = [torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    expert = model.layers[0].experts[1][0]  # named layers.0.experts.1.0
+    seen = []
+    handle = expert.register_forward_pre_hook(lambda m, a: seen.append(a[0].reshape(-1, 64).float()))
+    with torch.no_grad():
+        for ids in batches:
+            model(ids)
+    handle.remove()
+    x = torch.cat(seen)
+    expert_weight = expert.weight.detach().clone()
+    cfg = Int4WeightOnlyConfig(32)
+    expected = gptq_int4(expert.weight.data, x.t() @ x, cfg)
+    report = quantize_with_calibration(model, cfg, batches)
+    assert report.layers == 2 and len(report.calibrated) == 4
+    # The same GPTQ problem, up to the order the Gram matrix is summed in: the same error on
+    # this expert's own inputs (an expert calibrated on another's inputs does worse).
+    exact = x @ expert_weight.t()
+    got = sqnr(exact, x @ expert.weight.dequantize().t())
+    assert got > sqnr(exact, x @ expected.dequantize().t()) - 0.05
