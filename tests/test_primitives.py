@@ -1,8 +1,10 @@
 import pytest
 import torch
 
+import hf_aoq
 from hf_aoq import AOQError, PerGroup, PerRow, PerTensor
 from hf_aoq.core.primitives import (
+    FLOAT8_DTYPES,
     choose_qparams_affine,
     choose_scale_float8,
     dequantize_affine,
@@ -140,3 +142,33 @@ def test_pack_int4_layout():
     assert torch.equal(unpack_int4(packed), q)
     with pytest.raises(AOQError, match="odd"):
         pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda w: hf_aoq.Int4Tensor.from_float(w, 128, qparams="mse"),
+        lambda w: hf_aoq.Int4Tensor.from_float(w, 64, symmetric=True),
+        lambda w: hf_aoq.Int8Tensor.from_float(w),
+        lambda w: hf_aoq.Int8Tensor.from_float(w, 64),
+        lambda w: hf_aoq.Float8Tensor.from_float(w),
+    ],
+    ids=["int4-mse", "int4-sym", "int8-row", "int8-g64", "fp8-row"],
+)
+def test_quantizing_in_row_chunks_changes_nothing(make, monkeypatch):
+    # from_float takes the rows in chunks to bound its temporaries; with 37 rows per chunk the
+    # last chunk is short, and every field must equal the one-piece result bit for bit.
+    from hf_aoq.core import primitives
+
+    torch.manual_seed(0)
+    w = torch.randn(300, 576, dtype=torch.bfloat16) * torch.linspace(0.1, 3, 300, dtype=torch.bfloat16)[:, None]
+    whole = make(w)
+    monkeypatch.setattr(primitives, "ROW_CHUNK_ELEMENTS", 37 * 576)
+    chunked = make(w)
+    a, b = whole.tensor_fields(), chunked.tensor_fields()
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype in FLOAT8_DTYPES:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert torch.equal(x, y), k

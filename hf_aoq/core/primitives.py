@@ -27,6 +27,26 @@ from .errors import AOQError
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# Quantizing a weight makes a few float32 temporaries of what it works on (about ten for the
+# "mse" search); taking the rows in chunks of about this many elements bounds them, which is
+# quantize-on-load's peak memory on CPU. Every scheme here is independent from row to row, so
+# the result is the same. Accelerators get bigger chunks: fewer, larger kernel launches.
+ROW_CHUNK_ELEMENTS = 1 << 18
+ROW_CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
+
+
+def by_row_chunks(x: torch.Tensor, fn, rows_multiple: int = 1):
+    """`fn(rows)` over chunks of `x`'s rows (a multiple of `rows_multiple` each), its results (a
+    tuple of tensors with rows along dim 0, or None) concatenated as if it ran on all of `x`."""
+    n, k = x.shape
+    budget = ROW_CHUNK_ELEMENTS if x.device.type == "cpu" else ROW_CHUNK_ELEMENTS_ACCELERATOR
+    step = max(rows_multiple, budget // max(k, 1) // rows_multiple * rows_multiple)
+    if step >= n:
+        return fn(x)
+    parts = [fn(x[i : i + step]) for i in range(0, n, step)]
+    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
+
+
 def check_finite(x: torch.Tensor, name: str) -> None:
     """Raise a clear error if `x` holds inf or nan (they would poison every scale)."""
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):

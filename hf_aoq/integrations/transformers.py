@@ -15,12 +15,9 @@ docs/transformers.md describes the behaviour for users.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import re
-import sys
 import warnings
 from typing import Any
 
@@ -35,6 +32,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import model_card, serialization
 from ..configs import AOQBaseConfig, FqnToConfig, recipe_from_dict, recipe_to_dict
+from ..core import memory
 from ..core.errors import AOQError, FormatError
 from ..core.registry import DTYPES, tensor_type
 from ..core.tensor import AOQTensor
@@ -231,6 +229,8 @@ class AOQHfQuantizer(HfQuantizer):
         self._untied: dict[str, str] = {}  # input embedding weight -> output weight made from it
         self._serialized: dict[str, list[str]] = {}  # parameter leaf name -> stored key suffixes
         self._source = "<checkpoint>"  # names the checkpoint in errors
+        self._files: list[str] = []  # the checkpoint's files, whose mapped pages are released as we go
+        self._unreleased = 0  # bytes read from them since their pages were last released
 
     # ------------------------------------------------------------------ setup
     def validate_environment(self, device_map=None, **kwargs):
@@ -251,6 +251,7 @@ class AOQHfQuantizer(HfQuantizer):
             )
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        self._files = [os.fspath(f) for f in checkpoint_files or [] if os.fspath(f).endswith(".safetensors")]
         if self.pre_quantized:
             self._read_checkpoint(model, checkpoint_files)
         else:
@@ -508,7 +509,19 @@ class AOQHfQuantizer(HfQuantizer):
             ]
         if self._calibrating():
             self._quantize_with_calibration(model)
+        self._release_memory(0, force=True)
         return model
+
+    def _release_memory(self, nbytes: int, force: bool = False) -> None:
+        """After `nbytes` more were read from the checkpoint: hand freed heap memory back, and
+        every _RELEASE_EVERY bytes drop the checkpoint's mapped pages that hold what was read
+        (transformers keeps the files mapped until loading ends, so they would otherwise add the
+        whole float checkpoint to the peak resident size; see hf_aoq.core.memory)."""
+        memory.return_freed_memory()
+        self._unreleased += nbytes
+        if self._files and (force or self._unreleased >= _RELEASE_EVERY):
+            memory.release_file_pages(self._files)
+            self._unreleased = 0
 
     def _quantize_with_calibration(self, model) -> None:
         """Quantize the loaded float model by the plan, int4 linears by GPTQ on the text file."""
@@ -602,8 +615,7 @@ class AOQQuantize(ConversionOps):
             if target is not None and (missing_keys is None or target in missing_keys):
                 out[target] = q._quantized(target, value.detach().clone())
             out[name] = q._quantized(name, value)
-        if any(isinstance(v, AOQTensor) and v.device.type == "cpu" for v in out.values()):
-            _return_freed_memory()
+        q._release_memory(sum(v[0].nbytes if isinstance(v, list) else v.nbytes for v in input_dict.values()))
         return out
 
 
@@ -624,10 +636,9 @@ class AOQLoad(ConversionOps):
             if len(tensors) != 1:
                 raise FormatError(f"{full_layer_name}: expected one stored tensor for {suffix!r}, got {len(tensors)}")
             fields[suffix[len(head):]] = tensors[0]
-        on_cpu = all(t.device.type == "cpu" for t in fields.values())
         out = {full_layer_name: self.hf_quantizer._build_one(model, full_layer_name, fields)}
-        if on_cpu:
-            _return_freed_memory()  # e.g. the canonical fields that place() just repacked
+        # e.g. the canonical fields that place() just repacked, and the mapped pages read
+        self.hf_quantizer._release_memory(sum(t.nbytes for t in fields.values()))
         return out
 
 
@@ -703,26 +714,9 @@ def _check_not_renamed(model, names: list[str]) -> None:
         )
 
 
-def _load_malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim() if sys.platform.startswith("linux") else None
-
-
-def _return_freed_memory() -> None:
-    """Hand the float weight just quantized back to the OS.
-
-    glibc keeps freed heap memory for reuse; the float weights and temporaries of quantizing
-    sit between the long-lived quantized tensors, so without this the process's resident size
-    grows towards the float model's size even though no float weight is alive any more.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+# Drop the checkpoint's mapped pages after about this many bytes were read from it: bounds what
+# the mapping adds to the peak resident size, at a few milliseconds per release.
+_RELEASE_EVERY = 16 << 20
 
 
 _PROBE_ROWS = 256

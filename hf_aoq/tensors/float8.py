@@ -13,7 +13,7 @@ import torch
 
 from ..core.errors import AOQError
 from ..core.granularity import PerRow, PerTensor
-from ..core.primitives import FLOAT8_DTYPES, choose_scale_float8, dequantize_float8, quantize_float8
+from ..core.primitives import FLOAT8_DTYPES, by_row_chunks, choose_scale_float8, dequantize_float8, quantize_float8
 from ..core.registry import register_tensor_type
 from .common import BlockGridTensor, check_grid_fields, check_weight
 
@@ -48,8 +48,13 @@ class Float8Tensor(BlockGridTensor):
         if not isinstance(granularity, (PerRow, PerTensor)):
             raise AOQError(f"{name}: Float8Tensor granularity must be PerRow() or PerTensor(), got {granularity!r}")
         block = granularity.block_size(tuple(weight.shape))
-        scale = choose_scale_float8(weight, block, float8_dtype, name=name)
-        qdata = quantize_float8(weight, block, scale, float8_dtype)
+
+        def rows(w):
+            scale = choose_scale_float8(w, block, float8_dtype, name=name)
+            return quantize_float8(w, block, scale, float8_dtype), scale
+
+        # A per-tensor scale needs every row at once.
+        qdata, scale = by_row_chunks(weight, rows) if block[0] == 1 else rows(weight)
         return cls(qdata, scale, block, weight.shape, weight.dtype, act_quant=act_quant, act_dtype=act_dtype)
 
     @classmethod

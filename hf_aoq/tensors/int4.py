@@ -19,7 +19,14 @@ import torch
 
 from .. import kernels
 from ..core.errors import AOQError
-from ..core.primitives import choose_qparams_affine, dequantize_affine, pack_int4, quantize_affine, unpack_int4
+from ..core.primitives import (
+    by_row_chunks,
+    choose_qparams_affine,
+    dequantize_affine,
+    pack_int4,
+    quantize_affine,
+    unpack_int4,
+)
 from ..core.registry import register_tensor_type
 from .common import BlockGridTensor, check_grid_fields, check_weight
 
@@ -55,11 +62,15 @@ class Int4Tensor(BlockGridTensor):
         if weight.shape[1] % 2:
             raise AOQError(f"{name}: int4 needs an even input dimension, got shape {tuple(weight.shape)}")
         block = (1, group_size)
-        scale, zero = choose_qparams_affine(
-            weight, block, QMIN, QMAX, symmetric=symmetric, param_dtype=weight.dtype, name=name, method=qparams
-        )
-        codes = quantize_affine(weight, block, scale, zero, QMIN, QMAX, torch.uint8)
-        return cls(pack_int4(codes), scale, block, weight.shape, weight.dtype, zero=zero)
+
+        def rows(w):
+            scale, zero = choose_qparams_affine(
+                w, block, QMIN, QMAX, symmetric=symmetric, param_dtype=weight.dtype, name=name, method=qparams
+            )
+            return pack_int4(quantize_affine(w, block, scale, zero, QMIN, QMAX, torch.uint8)), scale, zero
+
+        qdata, scale, zero = by_row_chunks(weight, rows)
+        return cls(qdata, scale, block, weight.shape, weight.dtype, zero=zero)
 
     @classmethod
     def check_fields(cls, fields) -> None:

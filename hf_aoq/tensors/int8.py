@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..core.errors import AOQError
-from ..core.primitives import choose_qparams_affine, dequantize_affine, quantize_affine
+from ..core.primitives import by_row_chunks, choose_qparams_affine, dequantize_affine, quantize_affine
 from ..core.registry import register_tensor_type
 from ..kernels.common import quantize_int8_per_token
 from .common import BlockGridTensor, check_grid_fields, check_weight
@@ -46,8 +46,12 @@ class Int8Tensor(BlockGridTensor):
         if act_quant is not None and group_size not in (None, k):
             raise AOQError(f"{name}: dynamic int8 activations need a per-row weight scale, not group_size {group_size}")
         block = (1, group_size or k)
-        scale, _ = choose_qparams_affine(weight, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name)
-        codes = quantize_affine(weight, block, scale, None, QMIN, QMAX, torch.int8)
+
+        def rows(w):
+            scale, _ = choose_qparams_affine(w, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name)
+            return quantize_affine(w, block, scale, None, QMIN, QMAX, torch.int8), scale
+
+        codes, scale = by_row_chunks(weight, rows)
         return cls(codes, scale, block, weight.shape, weight.dtype, act_quant=act_quant)
 
     @classmethod
