@@ -80,12 +80,13 @@ def test_int4_kernel_half_activations(dtype):
 @needs_ext
 @pytest.mark.parametrize("k", [100, 256, 1000])
 @pytest.mark.parametrize("act_quant", [None, "per_token"])
-def test_int8_kernel_matches_reference(k, act_quant):
+@pytest.mark.parametrize("n", [40, 42])  # four weight rows at a time at batch 1, and a tail
+def test_int8_kernel_matches_reference(k, act_quant, n):
     torch.manual_seed(0)
-    q = Int8Tensor.from_float(torch.randn(40, k), act_quant=act_quant)
+    q = Int8Tensor.from_float(torch.randn(n, k), act_quant=act_quant)
     kernel = next(kn for kn in kernels.kernels_for("linear", "Int8Tensor") if kn.name == "cpu_int8_ext")
     reference = kernels.kernels_for("linear", "Int8Tensor")[-1]
-    bias = torch.randn(40)
+    bias = torch.randn(n)
     for m in (1, 2, 3, cpu.INT8_GEMV_MAX_ROWS, cpu.INT8_GEMV_MAX_ROWS + 1, 70):
         x = torch.randn(m, k)
         assert kernels.select_kernel("linear", x, q) is kernel
@@ -142,3 +143,25 @@ def test_avx2_unpack_inverts_the_packing():
         codes = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
         packed = cpu.avx2_int4pack_bytes(codes)
         assert torch.equal(cpu.avx2_int4unpack_codes(packed, n, 64), codes)
+
+
+@needs_int4_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_call_eager_path_equals_the_composed_ops(dtype, with_bias, monkeypatch):
+    """Eager calls do the input conversion, padding, bias and output cast in C++; torch.compile
+    composes the same steps from torch ops around the opaque kernel. Both must give the same bits."""
+    torch.manual_seed(0)
+    q4 = Int4Tensor.from_float(torch.randn(64, 576, dtype=dtype), 128).place()  # a partial last group
+    q8 = Int8Tensor.from_float(torch.randn(64, 576, dtype=dtype))
+    bias = torch.randn(64, dtype=dtype) if with_bias else None
+    for q, name in ((q4, "cpu_int4_ext"), (q8, "cpu_int8_ext")):
+        kernel = next(kn for kn in kernels.kernels_for("linear", type(q).__name__) if kn.name == name)
+        for shape in ((1, 576), (2, 3, 576), (70, 576)):
+            x = torch.randn(*shape, dtype=dtype)
+            eager = kernel.fn(x, q, bias)
+            monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+            composed = kernel.fn(x, q, bias)
+            monkeypatch.undo()
+            assert eager.dtype == dtype and eager.shape == (*shape[:-1], 64)
+            assert torch.equal(eager, composed), (name, shape)

@@ -153,10 +153,12 @@ def _int4_ext_applies(x, w) -> bool:
 def int4_ext_linear(x, w, bias):
     """Float32 compute whatever the activation dtype: exact float32 dequantization for float32
     models; for bf16 models more precise than the reference (which rounds the weight to bf16)."""
+    if not torch.compiler.is_compiling():
+        # One C++ call does the input conversion, padding, bias and output cast as below.
+        return cpu_ext.load().int4pack_linear_io(x, w.qdata, w.scale, w.block_size[-1], x.shape[-1], bias, INT4_GEMV_MAX_ROWS)
     n, k, padded_k = _int4_dims(w)
     x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()
-    mm = int4pack_linear_cpu if torch.compiler.is_compiling() else _int4pack_linear
-    y = mm(x2, w.qdata, w.scale, w.block_size[-1])
+    y = int4pack_linear_cpu(x2, w.qdata, w.scale, w.block_size[-1])
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -248,11 +250,13 @@ def _int8_ext_applies(x, w) -> bool:
 def int8_ext_linear(x, w, bias):
     """Weight-only and dynamic int8 alike (dynamic activations are quantized per token and
     dequantized in x's dtype first, as the reference does), computed in float32."""
-    n, k = w.qdata.shape
     x = w.simulate_input_quantization(x)
+    if not torch.compiler.is_compiling():
+        # One C++ call does the input conversion, bias and output cast as below.
+        return cpu_ext.load().int8_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)
+    n, k = w.qdata.shape
     x2 = x.reshape(-1, k).float().contiguous()
-    mm = int8_linear_cpu if torch.compiler.is_compiling() else _int8_linear
-    y = mm(x2, w.qdata, w.scale.reshape(-1).float().contiguous())
+    y = int8_linear_cpu(x2, w.qdata, w.scale.reshape(-1).float().contiguous())
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

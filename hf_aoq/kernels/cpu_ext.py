@@ -8,6 +8,7 @@ impossible (no compiler, no ninja) `load()` returns None and the kernel table fa
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -16,7 +17,9 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("fp8_cpu.cpp", "int_cpu.cpp")
-FUNCTIONS = ["fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear"]
+FUNCTIONS = [
+    "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear", "int4pack_linear_io", "int8_linear_io",
+]
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,9 +35,14 @@ def load():
         flags = ["-O3", "-ffp-contract=off"]
         if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
             flags += ["-mavx2", "-mfma"]
+        sources = [(CSRC / name).read_text() for name in SOURCES]
+        # The name carries a digest of what is built: a changed kernel (a new hf_aoq) is a new
+        # module, never a stale build of the old one that torch's cache or a concurrent build
+        # left behind under the same name.
+        digest = hashlib.sha256("\0".join(sources + FUNCTIONS + flags).encode()).hexdigest()[:12]
         return cpp_extension.load_inline(
-            name="hf_aoq_cpu_" + torch.__version__.replace(".", "_").replace("+", "_"),
-            cpp_sources=[(CSRC / name).read_text() for name in SOURCES],
+            name="hf_aoq_cpu_" + torch.__version__.replace(".", "_").replace("+", "_") + "_" + digest,
+            cpp_sources=sources,
             functions=FUNCTIONS,
             extra_cflags=flags + ["-fopenmp"],
             extra_ldflags=["-fopenmp"],

@@ -281,8 +281,59 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k], activation rows two at a time.
+#if defined(__AVX2__)
+inline __m256 int8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// One activation row against weight rows n..n+3: each x vector is loaded once for four rows, and
+// eight independent FMA chains (two per row) hide the FMA latency. Returns the four dot products.
+inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, float* out) {
+  const int8_t* r0 = q + n * K;
+  const int8_t* r1 = r0 + K;
+  const int8_t* r2 = r1 + K;
+  const int8_t* r3 = r2 + K;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
+    a0 = _mm256_fmadd_ps(xa, int8x8(r0 + k), a0);
+    a1 = _mm256_fmadd_ps(xa, int8x8(r1 + k), a1);
+    a2 = _mm256_fmadd_ps(xa, int8x8(r2 + k), a2);
+    a3 = _mm256_fmadd_ps(xa, int8x8(r3 + k), a3);
+    b0 = _mm256_fmadd_ps(xb, int8x8(r0 + k + 8), b0);
+    b1 = _mm256_fmadd_ps(xb, int8x8(r1 + k + 8), b1);
+    b2 = _mm256_fmadd_ps(xb, int8x8(r2 + k + 8), b2);
+    b3 = _mm256_fmadd_ps(xb, int8x8(r3 + k + 8), b3);
+  }
+  out[0] = hsum(_mm256_add_ps(a0, b0));
+  out[1] = hsum(_mm256_add_ps(a1, b1));
+  out[2] = hsum(_mm256_add_ps(a2, b2));
+  out[3] = hsum(_mm256_add_ps(a3, b3));
+  for (; k < K; ++k) {
+    out[0] += x[k] * float(r0[k]);
+    out[1] += x[k] * float(r1[k]);
+    out[2] += x[k] * float(r2[k]);
+    out[3] += x[k] * float(r3[k]);
+  }
+}
+#endif
+
+// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row four weight rows at a time,
+// more rows two activation rows at a time.
 void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX2__)
+  if (M == 1 && N % 4 == 0) {
+    at::parallel_for(0, N / 4, 4, [&](int64_t b0, int64_t b1) {
+      float d[4];
+      for (int64_t b = b0; b < b1; ++b) {
+        int8_dot4(x, q, K, 4 * b, d);
+        for (int j = 0; j < 4; ++j) y[4 * b + j] = d[j] * scale[4 * b + j];
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t n = r0; n < r1; ++n) {
       const int8_t* row = q + n * K;
@@ -351,4 +402,49 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
     y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk.t()));
   }
   return y;
+}
+
+namespace {
+
+// The linear's input and output handling, done here rather than in Python, where its handful of
+// small ops cost more than a small layer's kernel at batch 1: x of any float dtype and shape
+// [..., k] becomes float32 [M, padded_k] (zero columns past k), `core` maps that to float32
+// [M, n], the bias (any float dtype) is added in float32 and the result returns in x's dtype as
+// [..., n]. The numbers are those of x.float(), padding, the kernel, + bias.float(), .to(dtype).
+template <class Core>
+torch::Tensor linear_io(const torch::Tensor& x, int64_t k, int64_t padded_k, int64_t n,
+                        const c10::optional<torch::Tensor>& bias, Core core) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x: expected [..., ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
+                  x.scalar_type() == torch::kFloat16,
+              "x: float32, bfloat16 or float16");
+  auto x2 = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
+  if (padded_k != k) x2 = at::constant_pad_nd(x2, {0, padded_k - k});
+  auto y = core(x2);
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bias: expected ", n, " values, got ", bias->numel());
+    y.add_(bias->reshape({n}));
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return y.to(x.scalar_type()).view(sizes);
+}
+
+}  // namespace
+
+// F.linear(x, int4 weight, bias) in one call; see linear_io and int4pack_linear.
+torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
+                                 int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows) {
+  const int64_t padded_k = (k + group_size - 1) / group_size * group_size;
+  return linear_io(x, k, padded_k, packed.size(0), bias, [&](const torch::Tensor& x2) {
+    return int4pack_linear(x2, packed, scale_zero, group_size, gemv_max_rows);
+  });
+}
+
+// F.linear(x, int8 weight, bias) in one call; scale: [N] or [N, 1] of any float dtype.
+torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                             int64_t gemv_max_rows) {
+  const int64_t k = q.size(1);
+  auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
+  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) { return int8_linear(x2, q, s, gemv_max_rows); });
 }
