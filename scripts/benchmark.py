@@ -45,10 +45,14 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
 # name -> (backend, scheme). Schemes: int4 (g128 weight-only), int8 (weight-only, per row),
 # int8dyn (int8 weights, dynamic per-token int8 activations), fp8 (e4m3 weight-only, per row),
 # fp8dyn (e4m3 weights and dynamic activations, per row).
+# hf_aoq only: int4-head, int4 with lm_head quantized too (int4 g128; a tied lm_head is untied
+# first), since at batch 1 the bf16 lm_head is the largest single weight read per token.
 SCHEMES = ("int4", "int8", "int8dyn", "fp8", "fp8dyn")
 CONFIGS: dict[str, tuple[str, str | None]] = {"bf16": ("plain", "bf16"), "fp32": ("plain", "fp32")}
 for _s in SCHEMES:
     CONFIGS[_s] = ("hf_aoq", _s)
+    if _s == "int4":
+        CONFIGS["int4-head"] = ("hf_aoq", "int4-head")
 for _s in SCHEMES:
     CONFIGS[f"torchao-{_s}"] = ("torchao", _s)
 for _s in SCHEMES:
@@ -104,16 +108,16 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def hf_aoq_config(scheme: str, in_features: dict[str, int] | None = None):
+def hf_aoq_config(scheme: str):
     import hf_aoq
 
     if scheme == "int4":
-        default = hf_aoq.Int4WeightOnlyConfig(group_size=128)
-        odd = sorted(n for n, k in (in_features or {}).items() if k % 128)
-        if not odd:
-            return default
-        # e.g. SmolLM2: hidden 576 is not a multiple of 128; those layers use groups of 64.
-        return hf_aoq.FqnToConfig({"_default": default, **{n: hf_aoq.Int4WeightOnlyConfig(group_size=64) for n in odd}})
+        # Groups of 128 everywhere: where 128 does not divide the input size (SmolLM2's 576),
+        # the last group of each row is partial.
+        return hf_aoq.Int4WeightOnlyConfig(group_size=128)
+    if scheme == "int4-head":
+        int4 = hf_aoq.Int4WeightOnlyConfig(group_size=128)
+        return hf_aoq.FqnToConfig({"_default": int4, "lm_head": int4})
     return {
         "int8": hf_aoq.Int8WeightOnlyConfig,
         "int8dyn": hf_aoq.Int8DynamicActivationInt8WeightConfig,
@@ -122,14 +126,14 @@ def hf_aoq_config(scheme: str, in_features: dict[str, int] | None = None):
     }[scheme]()
 
 
-def quantization_config(backend: str, scheme: str, in_features=None):
+def quantization_config(backend: str, scheme: str):
     """The transformers quantization_config for a configuration (None for bf16/fp32)."""
     if backend == "plain":
         return None
     if backend == "hf_aoq":
         import hf_aoq
 
-        return hf_aoq.AOQConfig(hf_aoq_config(scheme, in_features))
+        return hf_aoq.AOQConfig(hf_aoq_config(scheme), untie_embedding_weights=scheme == "int4-head")
     if backend == "torchao":
         import torchao.quantization as tq
         from transformers import TorchAoConfig
@@ -154,14 +158,14 @@ def quantization_config(backend: str, scheme: str, in_features=None):
     raise BenchError(f"unknown backend {backend!r}")
 
 
-def load(path, backend: str, scheme: str, in_features=None, prequantized: bool = False):
+def load(path, backend: str, scheme: str, prequantized: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
     if backend != "plain":
         import hf_aoq  # noqa: F401  (registers "aoq"; harmless for the peers)
     dtype = torch.float32 if scheme == "fp32" else torch.bfloat16
-    kwargs = {} if prequantized or backend == "plain" else {"quantization_config": quantization_config(backend, scheme, in_features)}
+    kwargs = {} if prequantized or backend == "plain" else {"quantization_config": quantization_config(backend, scheme)}
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs).eval()
 
 
@@ -250,23 +254,16 @@ def child_fidelity(a) -> dict:
     text = PROSE.read_text(encoding="utf-8", errors="replace")[:4000]
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : a.fidelity_tokens]
     ref_model = load(a.smollm2_dir, "plain", "bf16")
-    lm_head = ref_model.get_output_embeddings()  # tied to the embedding and left in bf16, as when loading
-    in_features = {n: m.in_features for n, m in ref_model.named_modules() if isinstance(m, torch.nn.Linear) and m is not lm_head}
     with torch.inference_mode():
         ref = ref_model(input_ids=ids).logits.float()
     del ref_model
-    model = load(a.smollm2_dir, backend, scheme, in_features)
+    model = load(a.smollm2_dir, backend, scheme)
     with torch.inference_mode():
         got = model(input_ids=ids).logits.float()
     noise = (ref - got).pow(2).mean()
     sqnr = float("inf") if noise == 0 else float(10 * torch.log10(ref.pow(2).mean() / noise))
     agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
-    note = None
-    if backend == "hf_aoq" and scheme == "int4":
-        odd = sum(1 for k in in_features.values() if k % 128)
-        if odd:
-            note = f"SmolLM2: {odd} linears with in_features not a multiple of 128 use g64"
-    return {"sqnr_db": sqnr, "top1_agree": agree, "fidelity_tokens": int(ids.shape[1]), "fidelity_note": note}
+    return {"sqnr_db": sqnr, "top1_agree": agree, "fidelity_tokens": int(ids.shape[1])}
 
 
 def child_prepare_smollm2(a) -> dict:
@@ -531,8 +528,6 @@ def main_parent(a) -> int:
         for k in ("error", "save_error", "reload_error", "fidelity_error"):
             if r.get(k):
                 notes.append(f"{name}: {k.replace('_', ' ')}: {r[k]}")
-        if r.get("fidelity_note"):
-            notes.append(f"{name}: {r['fidelity_note']}")
         results[name] = r
         if a.out:  # after every configuration, so that an interrupted run keeps what it measured
             Path(a.out).write_text(json.dumps(build_report(a, model_desc, bandwidth, results, notes, complete=False), indent=2, default=str))
