@@ -116,7 +116,7 @@ def test_fp8_many_rows_path_dequantizes_exactly_as_the_reference(f8):
     w[0] *= 1e6  # a row scale far above 2^8
     q = Float8Tensor.from_float(w, f8)
     assert (q.qdata.view(torch.uint8) & 0x7F < (8 if f8 == torch.float8_e4m3fn else 4)).any()
-    shift = cpu._FP8_SHIFT_AND_FACTOR[f8][0]
+    shift = cpu._FP8_SHIFT[f8]
     got = cpu.fp8_dequant_linear_cpu(torch.eye(96), q.qdata.view(torch.uint8), q.scale.reshape(-1).contiguous(), shift)
     assert torch.equal(got.t(), q.dequantize(torch.float32))
     x = torch.randn(cpu.FP8_GEMV_MAX_ROWS + 5, 96)
@@ -138,6 +138,24 @@ def test_fp8_gemv_every_row_blocking(f8, k):
         assert rel_err(F.linear(x, w), F.linear(x, q)) < 1e-5, m
 
 
+@needs_ext
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_gemv_large_scales_stay_finite(f8):
+    """The GEMV undoes its bit trick with a factor 2^120 (e4m3) or 2^112 (e5m2); times a row
+    scale above 2^8 (2^16) that whole factor is infinite in float32. Such scales must still work."""
+    from hf_aoq import Float8Tensor
+
+    torch.manual_seed(0)
+    magnitude, overflowing_scale = {torch.float8_e4m3fn: (1e6, 2.0**8), torch.float8_e5m2: (1e10, 2.0**16)}[f8]
+    q = Float8Tensor.from_float(torch.randn(32, 64) * magnitude, f8)
+    assert float(q.scale.max()) > overflowing_scale
+    w = q.dequantize(torch.float32)
+    for m in (1, cpu.FP8_GEMV_MAX_ROWS + 1):
+        x = torch.randn(m, 64)
+        got = F.linear(x, q)
+        assert torch.isfinite(got).all() and rel_err(F.linear(x, w), got) < 1e-5, m
+
+
 def test_avx2_unpack_inverts_the_packing():
     for n in (16, 32, 48, 80):
         codes = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
@@ -152,10 +170,13 @@ def test_one_call_eager_path_equals_the_composed_ops(dtype, with_bias, monkeypat
     """Eager calls do the input conversion, padding, bias and output cast in C++; torch.compile
     composes the same steps from torch ops around the opaque kernel. Both must give the same bits."""
     torch.manual_seed(0)
+    from hf_aoq import Float8Tensor
+
     q4 = Int4Tensor.from_float(torch.randn(64, 576, dtype=dtype), 128).place()  # a partial last group
     q8 = Int8Tensor.from_float(torch.randn(64, 576, dtype=dtype))
+    f8 = Float8Tensor.from_float(torch.randn(64, 576, dtype=dtype))
     bias = torch.randn(64, dtype=dtype) if with_bias else None
-    for q, name in ((q4, "cpu_int4_ext"), (q8, "cpu_int8_ext")):
+    for q, name in ((q4, "cpu_int4_ext"), (q8, "cpu_int8_ext"), (f8, "cpu_fp8_gemv")):
         kernel = next(kn for kn in kernels.kernels_for("linear", type(q).__name__) if kn.name == name)
         for shape in ((1, 576), (2, 3, 576), (70, 576)):
             x = torch.randn(*shape, dtype=dtype)

@@ -263,9 +263,8 @@ def int8_ext_linear(x, w, bias):
 
 
 # ---------------------------------------------------------------------- float8
-# float32 value of a float8 code placed by the bit trick in csrc/fp8_cpu.cpp, relative to its
-# true value: 2^-(127 - exponent bias).
-_FP8_SHIFT_AND_FACTOR = {torch.float8_e4m3fn: (20, 2.0**120), torch.float8_e5m2: (21, 2.0**112)}
+# The bit-trick shift of each float8 format in csrc/fp8_cpu.cpp (the kernels undo its scaling).
+_FP8_SHIFT = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
 FP8_GEMV_MAX_ROWS = 16  # above this, one upcast of the weight and a float32 GEMM win
 
 
@@ -307,18 +306,16 @@ def float8_cpu_linear(x, w, bias):
     Few rows: hf_aoq's fused kernel reads the float8 weight directly. Many rows: chunks of the
     weight dequantized exactly as the reference does (about 3x faster than torch's own float8
     upcast) and float32 GEMM, several times faster than bf16 GEMM on AVX2 CPUs."""
-    n, k = w.qdata.shape
     x = w.simulate_input_quantization(x)
+    shift = _FP8_SHIFT[w.qdata.dtype]
+    if not torch.compiler.is_compiling():
+        # One C++ call does the input conversion, path choice, bias and output cast as below.
+        return cpu_ext.load().fp8_linear_io(x, w.qdata, w.scale, shift, bias, FP8_GEMV_MAX_ROWS)
+    n, k = w.qdata.shape
     x2 = x.reshape(-1, k).float().contiguous()
-    shift, factor = _FP8_SHIFT_AND_FACTOR[w.qdata.dtype]
-    if x2.shape[0] <= FP8_GEMV_MAX_ROWS:
-        row_scale = (w.scale.float().reshape(-1) * factor).expand(n).contiguous()
-        mm = fp8_linear_cpu if torch.compiler.is_compiling() else cpu_ext.load().fp8_linear
-        y = mm(x2, w.qdata.view(torch.uint8), row_scale, shift)
-    else:
-        row_scale = w.scale.float().reshape(-1).expand(n).contiguous()
-        mm = fp8_dequant_linear_cpu if torch.compiler.is_compiling() else cpu_ext.load().fp8_dequant_linear
-        y = mm(x2, w.qdata.view(torch.uint8), row_scale, shift)
+    row_scale = w.scale.float().reshape(-1).expand(n).contiguous()
+    mm = fp8_linear_cpu if x2.shape[0] <= FP8_GEMV_MAX_ROWS else fp8_dequant_linear_cpu
+    y = mm(x2, w.qdata.view(torch.uint8), row_scale, shift)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

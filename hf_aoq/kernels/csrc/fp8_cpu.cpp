@@ -6,8 +6,11 @@
 //
 // The bit trick: place a float8 code's exponent and mantissa bits at the top of a float32's
 // exponent and mantissa (sign stays the sign). The float32 then equals the float8 value times
-// 2^-(127 - bias8) for normal and subnormal codes alike, so one multiply (folded into the
-// per-row scale) restores it: e4m3fn shift 20, factor 2^120; e5m2 shift 21, factor 2^112.
+// 2^-(127 - bias8) for normal and subnormal codes alike, so multiplying by 2^(127 - bias8)
+// restores it: e4m3fn shift 20, factor 2^120; e5m2 shift 21, factor 2^112. The GEMV applies the
+// factor as two halves, one to the dot product and one to the row's scale: exact (powers of
+// two), and no overflow for any scale below 2^68 (the whole factor times a scale above 2^8
+// would be infinite in float32).
 // Subnormal float32 inputs must not be flushed, so DAZ is cleared for the call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -80,8 +83,8 @@ inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, 
 
 }  // namespace
 
-// x: float32 [M, K]; codes: uint8 [N, K] (float8 bits); row_scale: float32 [N] (already times
-// the 2^120 / 2^112 factor). Returns float32 [M, N].
+// x: float32 [M, K]; codes: uint8 [N, K] (float8 bits); row_scale: float32 [N], the weight's
+// per-row scale. Returns float32 [M, N].
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row_scale, int64_t shift) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
@@ -95,6 +98,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
   const float* sp = row_scale.contiguous().data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int s = static_cast<int>(shift);
+  const float half_factor = shift == 20 ? std::ldexp(1.f, 60) : std::ldexp(1.f, 56);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     DenormalsKept keep;
     constexpr int64_t MB = 4;  // activation rows per pass over a weight row
@@ -117,7 +121,8 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
           for (int64_t i = 0; i < mb; ++i) acc[i] += xm[i * K + k] * w;
         }
 #endif
-        for (int64_t i = 0; i < mb; ++i) op[(m0 + i) * N + n] = acc[i] * sp[n];
+        const float rs = sp[n] * half_factor;
+        for (int64_t i = 0; i < mb; ++i) op[(m0 + i) * N + n] = (acc[i] * half_factor) * rs;
       }
     }
   });
@@ -126,7 +131,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
 
 // Many rows: chunks of the weight dequantized to float32 exactly as the reference does it (the
 // code's value times its row's scale, one rounding), each multiplied by float32 GEMM. `scale` is
-// the true per-row scale (not pre-multiplied by the 2^120 / 2^112 factor, which could overflow).
+// the per-row scale, as for fp8_linear.
 torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
