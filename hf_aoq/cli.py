@@ -3,7 +3,8 @@
     hf-aoq demo [--out DIR]    quantize SmolLM2-135M to int4 while loading, save, reload,
                                generate, and compare size and speed with bf16
     hf-aoq quantize MODEL --scheme int4|int8|int8-dyn|fp8|fp8-dyn [--group-size N]
-                          [--recipe FILE.json] [--skip NAME ...] --out DIR [--push-to-hub REPO]
+                          [--recipe FILE.json] [--skip NAME ...] --out DIR [--max-shard-size SIZE]
+                          [--push-to-hub REPO]
                                quantize a local folder or Hub model while loading it, save it
                                with its model card, and optionally push it to the Hub
     hf-aoq inspect DIR [--error FLOAT_DIR]
@@ -11,9 +12,12 @@
                                loads; with --error, its SQNR against the float weights
     hf-aoq generate DIR "prompt" [--max-new-tokens N]
                                load, generate greedily, print the text and tokens/s
-    hf-aoq convert-torchao SRC DST [--overwrite]
+    hf-aoq convert-torchao SRC DST [--overwrite] [--max-shard-size SIZE]
                                convert a checkpoint saved by torchao's safetensors support
                                to an hf_aoq checkpoint, without torchao (docs/torchao.md)
+
+SIZE is what save_pretrained's max_shard_size takes: bytes, or a number with KB, MB, GB or TB
+(powers of 1000), like 500MB or 5GB; a larger checkpoint is split into shards with an index.
 
 Errors are one line saying what to do; `--debug` shows the traceback.
 """
@@ -30,6 +34,32 @@ from pathlib import Path
 
 class CLIError(Exception):
     """A failure to report as one line with what to do."""
+
+
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+SIZE_FORM = "an integer number of bytes, or a number with KB, MB, GB or TB like 500MB or 5GB"
+
+
+def parse_size(value, option: str = "--max-shard-size") -> int:
+    """`value` (an int, or a string as save_pretrained's `max_shard_size` takes it: "5GB",
+    "500MB", "1.5GB", "100KB", or digits for bytes) as a positive number of bytes. transformers
+    5.x hands a string size to huggingface_hub's shard splitter; this reads it the same way (a
+    number, then KB, MB, GB or TB in any case, powers of 1000), which a test checks."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        text = str(value).strip()
+        try:
+            if text.isdigit():
+                size = int(text)
+            else:
+                number, unit = text[:-2].strip(), text[-2:].upper()
+                size = int(float(number) * _SIZE_UNITS[unit]) if unit in _SIZE_UNITS and number else None
+        except (ValueError, OverflowError):
+            size = None
+    if size is None or size <= 0:
+        raise CLIError(f"{option} {value}: not a size; give {SIZE_FORM}")
+    return size
 
 
 def _dir_bytes(path: Path) -> int:
@@ -172,10 +202,13 @@ def _local_float_checkpoint(model: str) -> Path | None:
 
 
 def quantize_checkpoint(model: str, config, out, *, dtype: str = "bfloat16", overwrite: bool = False,
-                        push_to_hub: str | None = None, measure: bool = True) -> Path:
+                        push_to_hub: str | None = None, measure: bool = True,
+                        max_shard_size: int | str | None = None) -> Path:
     """Quantize `model` (a folder or Hub id) while loading it, save it to `out` with its
     tokenizer and model card, measure the weight error when the float weights are local, and
-    push the folder to the Hub repo `push_to_hub` if given. What `hf-aoq quantize` runs."""
+    push the folder to the Hub repo `push_to_hub` if given. What `hf-aoq quantize` runs.
+    `max_shard_size` (bytes, or "500MB"...; save_pretrained's default if None) splits the weights
+    into shards of at most that size, with model.safetensors.index.json."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -183,6 +216,7 @@ def quantize_checkpoint(model: str, config, out, *, dtype: str = "bfloat16", ove
     from .checkpoint import format_bytes, quality_summary, read_checkpoint, weight_errors
 
     out = Path(out)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": parse_size(max_shard_size)}
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} is a file; give a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -203,7 +237,7 @@ def quantize_checkpoint(model: str, config, out, *, dtype: str = "bfloat16", ove
         raise CLIError(f"cannot load {model}: {first} (give a folder with config.json and weights, or a Hub id; "
                        f"set HF_TOKEN for a private repo)") from e
     _log(f"quantized in {time.perf_counter() - start:.1f} s; saving to {out}")
-    quantized.save_pretrained(out)  # writes the model card too (hf_aoq.model_card)
+    quantized.save_pretrained(out, **save_kwargs)  # writes the model card too (hf_aoq.model_card)
     try:
         from transformers import AutoTokenizer
 
@@ -284,6 +318,9 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                    help="how many tokens of --calibration to use (default 2048)")
     p.add_argument("--out", required=out_required, metavar="DIR", help="folder to save the quantized checkpoint in")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="split the weights into files of at most SIZE (bytes, or e.g. 500MB, 5GB; "
+                        "default: save_pretrained's)")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="dtype to load the float model in")
     p.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub repo")
     p.add_argument("--no-measure", dest="measure", action="store_false",
@@ -294,7 +331,8 @@ def quantize_command(args) -> int:
     config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
                               args.calibration_tokens)
     quantize_checkpoint(args.model, config, args.out, dtype=args.dtype, overwrite=args.overwrite,
-                        push_to_hub=args.push_to_hub, measure=args.measure)
+                        push_to_hub=args.push_to_hub, measure=args.measure,
+                        max_shard_size=getattr(args, "max_shard_size", None))
     return 0
 
 
@@ -397,8 +435,9 @@ def convert_torchao_command(args) -> int:
     """`hf-aoq convert-torchao SRC DST`: hf_aoq.convert.convert_torchao_checkpoint, reported."""
     from .convert.torchao import TorchaoConversionError, convert_torchao_checkpoint
 
+    kwargs = {} if args.max_shard_size is None else {"max_shard_size": parse_size(args.max_shard_size)}
     try:
-        summary = convert_torchao_checkpoint(args.src, args.dst, overwrite=args.overwrite)
+        summary = convert_torchao_checkpoint(args.src, args.dst, overwrite=args.overwrite, **kwargs)
     except TorchaoConversionError as e:
         raise CLIError(f"{e} (nothing was written)") from e
     print(summary.format())
@@ -434,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="the torchao checkpoint folder")
     p.add_argument("dst", help="the hf_aoq checkpoint folder to write (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="split the weights into files of at most SIZE (bytes, or e.g. 500MB, 5GB; default 5GiB)")
     p.set_defaults(func=convert_torchao_command)
 
     p = sub.add_parser("demo", parents=[common],

@@ -190,6 +190,11 @@ def test_generate_prints_the_greedy_text_and_speed(int4_dir, capsys):
     (["inspect", "{tmp}/nothing"], "no such folder"),
     (["inspect", "{model}", "--error", "{tmp}/nothing"], "--error"),
     (["generate", "{float}", "hello"], "no tokenizer"),
+    (["quantize", "{model}", "--scheme", "int4", "--max-shard-size", "5XB", "--out", "{tmp}/o"],
+     "--max-shard-size 5XB: not a size; give an integer number of bytes, or a number with KB, MB, GB or TB"),
+    (["quantize", "{model}", "--scheme", "int4", "--max-shard-size", "0", "--out", "{tmp}/o"], "--max-shard-size 0:"),
+    (["convert-torchao", str(REPO_ROOT / "tests" / "fixtures" / "torchao" / "int8_weight_only"), "{tmp}/o",
+      "--max-shard-size", "big"], "--max-shard-size big: not a size"),
 ])
 def test_errors_are_one_line_with_what_to_do(argv, message, tiny_llama_dir, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
@@ -203,6 +208,7 @@ def test_errors_are_one_line_with_what_to_do(argv, message, tiny_llama_dir, tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"hf-aoq {argv[0]}: ") and message in err, err
     assert "Traceback" not in err
+    assert not (tmp_path / "o").exists()
 
 
 def test_other_failures_are_one_line_too_and_debug_shows_the_traceback(tiny_llama_dir, tmp_path, capsys):
@@ -255,3 +261,51 @@ def test_readme_quick_start_is_what_ci_and_these_tests_run():
     ]
     ci = (root / ".ci" / "run").read_text()
     assert "scripts/install.sh" in ci and ".venv/bin/python -m pytest -q" in ci
+
+
+@pytest.mark.parametrize("value, size", [
+    ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("100KB", 100_000), ("100kb", 100_000), ("1.5GB", 1_500_000_000),
+    ("2TB", 2 * 10**12), ("123456", 123456), (4096, 4096),
+])
+def test_max_shard_size_reads_what_save_pretrained_reads(value, size):
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+
+    assert cli.parse_size(value) == size
+    # save_pretrained hands the value to huggingface_hub's splitter, which must read it as `size`:
+    # items of `size` bytes in all fit one shard, one byte more does not. (Digits on the command
+    # line are bytes, as an int is for save_pretrained.)
+    as_given = int(value) if isinstance(value, str) and value.isdigit() else value
+
+    def shards(sizes):
+        split = split_state_dict_into_shards_factory(sizes, get_storage_size=lambda n: n, max_shard_size=as_given,
+                                                     filename_pattern="model{suffix}.safetensors")
+        return len(split.filename_to_tensors)
+
+    assert shards({"a": size - 1, "b": 1}) == 1
+    assert shards({"a": size, "b": 1}) == 2
+
+
+def test_quantize_max_shard_size_writes_shards_with_an_index(int4_dir, tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "sharded"
+    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--group-size", "32",
+                   "--skip", "model.layers.1.mlp", "--out", str(out), "--max-shard-size", "100KB", "--no-measure"])
+    assert rc == 0, capsys.readouterr().err
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f) for f in shards)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    # The same stored tensors as the one-file checkpoint of the same command without the option.
+    whole = safetensors.torch.load_file(int4_dir / "model.safetensors")
+    sharded = {}
+    for f in shards:
+        sharded.update(safetensors.torch.load_file(out / f))
+    assert set(index["weight_map"]) == set(sharded) == set(whole)
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, hf_aoq.Int4Tensor)
+    reference = AutoModelForCausalLM.from_pretrained(int4_dir)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert cli.main(["inspect", str(out)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("every tensor loads: yes")

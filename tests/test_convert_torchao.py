@@ -418,3 +418,68 @@ def test_large_output_is_sharded_with_an_index(tmp_path, converted):
     one = logits_of(load(converted[name][0]), ref["input_ids"])
     assert torch.equal(logits_of(load(tmp_path / "out"), ref["input_ids"]), one)
     assert len(summary.tensors) == LINEAR_WEIGHTS
+
+
+def _stored(folder: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a checkpoint folder, over all its .safetensors files."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("size", ["40KB", "40000"])
+def test_cli_max_shard_size_shards_the_output(size, tmp_path, converted, capsys):
+    name = "intx_int4_g64_asym"
+    dst = tmp_path / "out"
+    assert cli_main(["convert-torchao", str(FIXTURES / name), str(dst), "--max-shard-size", size]) == 0
+    assert "IntxUnpackedToInt8Tensor -> Int4Tensor" in capsys.readouterr().out
+    files = sorted(p.name for p in dst.iterdir())
+    shards = [f for f in files if f.startswith("model-")]
+    assert len(shards) > 2 and "model.safetensors" not in files and "model.safetensors.index.json" in files
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    one, sharded = _stored(converted[name][0]), _stored(dst)
+    assert set(index["weight_map"]) == set(one)
+    assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)
+    ref = reference(name)
+    whole = logits_of(load(converted[name][0]), ref["input_ids"])
+    assert torch.equal(logits_of(load(dst), ref["input_ids"]), whole)
+
+
+def test_cli_default_keeps_one_file(converted):
+    # The fixtures are far below the 5 GiB default: one model.safetensors, no index.
+    dst = converted["intx_int4_g64_asym"][0]
+    assert sorted(p.name for p in dst.glob("model*")) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("size", ["40XB", "lots", "0", "1.5", "5GiB"])
+def test_cli_bad_max_shard_size_is_one_line(size, tmp_path, capsys):
+    dst = tmp_path / "out"
+    assert cli_main(["convert-torchao", str(FIXTURES / "int8_weight_only"), str(dst), "--max-shard-size", size]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"hf-aoq convert-torchao: --max-shard-size {size}: "), err
+    assert "500MB" in err and "bytes" in err
+    assert not dst.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_script_takes_max_shard_size(tmp_path, converted, capsys):
+    """In-process (test_script_calls_the_same_function above runs the script as a program)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("convert_torchao_script",
+                                                  Path(__file__).parents[1] / "scripts" / "convert_torchao.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    name = "intx_int8_per_row"
+    dst = tmp_path / "o"
+    assert script.main([str(FIXTURES / name), str(dst), "--max-shard-size", "30KB"]) == 0
+    assert len(list(dst.glob("model-*.safetensors"))) > 2 and (dst / "model.safetensors.index.json").is_file()
+    one, sharded = _stored(converted[name][0]), _stored(dst)
+    assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        script.main([str(FIXTURES / name), str(tmp_path / "bad"), "--max-shard-size", "30XB"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-shard-size 30XB: not a size" in err.splitlines()[-1] and not (tmp_path / "bad").exists()
