@@ -186,3 +186,24 @@ def test_one_call_eager_path_equals_the_composed_ops(dtype, with_bias, monkeypat
             monkeypatch.undo()
             assert eager.dtype == dtype and eager.shape == (*shape[:-1], 64)
             assert torch.equal(eager, composed), (name, shape)
+
+
+@needs_int4_ext
+@pytest.mark.parametrize("n,k,g", [(64, 256, 32), (48, 576, 128), (16, 130, 64)])
+def test_repacking_from_canonical_bytes_matches_the_torch_packing(n, k, g):
+    """Placing an int4 weight repacks its canonical bytes in C++; the bytes must be those of
+    unpacking to codes, padding with code 8 and packing with torch ops (16-row tails and
+    partial last groups included), and unplacing must give the canonical tensor back."""
+    from hf_aoq.core.primitives import unpack_int4
+    from hf_aoq.kernels.common import int4_padded_k, pad_int4_codes
+
+    torch.manual_seed(0)
+    q = Int4Tensor.from_float(torch.randn(n, k), g)
+    padded_k = int4_padded_k(q)
+    expected = cpu.avx2_int4pack_bytes(pad_int4_codes(unpack_int4(q.qdata), padded_k))
+    got = cpu_ext.load().int4_repack_avx2(q.qdata, padded_k)
+    assert got.shape == (n, padded_k // 2) and torch.equal(got.reshape(-1), expected)
+    placed = q.place()
+    assert placed.packing == "cpu_int4pack" and torch.equal(placed.qdata, got)
+    back = placed.to_canonical()
+    assert torch.equal(back.qdata, q.qdata) and torch.equal(back.scale, q.scale) and torch.equal(back.zero, q.zero)

@@ -558,3 +558,16 @@ def test_loading_without_import_hf_aoq_warns_and_leaves_weights_missing(saved):
     assert "Unknown quantization type, got aoq" in run.stderr
     missing = set(json.loads(run.stdout.strip().splitlines()[-1]))
     assert missing == set(quantized_params(model))
+
+
+def test_conversion_ops_share_the_quantizer_when_copied():
+    """transformers deep-copies a converter, ops included, for every key it loads; copying the
+    quantizer's state each time made pre-quantized loading quadratic in the number of tensors."""
+    import copy
+
+    from hf_aoq.integrations.transformers import AOQLoad, AOQQuantize
+
+    state = {"entries": [object()]}
+    for op in (AOQLoad(state), AOQQuantize(state)):
+        again = copy.deepcopy(op)
+        assert type(again) is type(op) and again is not op and again.hf_quantizer is state

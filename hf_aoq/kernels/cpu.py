@@ -42,8 +42,13 @@ def _int4_cpu_available(w) -> bool:
 def pack_int4_for_cpu(w):
     """Canonical Int4Tensor -> qdata in aten's CPU int4 layout (padded to whole groups), scale
     as [groups, N, 2] (scale, zero)."""
-    codes = pad_int4_codes(unpack_int4(w.qdata), int4_padded_k(w))
-    return w.replace(qdata=_int4pack_codes(codes), scale=scale_and_zero(w), packing="cpu_int4pack")
+    padded_k = int4_padded_k(w)
+    if int4_ext_ready() and w.qdata.is_contiguous():
+        # The same bytes, straight from the canonical ones (csrc/int_cpu.cpp; 10x faster).
+        qdata = cpu_ext.load().int4_repack_avx2(w.qdata, padded_k)
+    else:
+        qdata = _int4pack_codes(pad_int4_codes(unpack_int4(w.qdata), padded_k))
+    return w.replace(qdata=qdata, scale=scale_and_zero(w), packing="cpu_int4pack")
 
 
 def unpack_int4_from_cpu(w):

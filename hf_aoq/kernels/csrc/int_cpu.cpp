@@ -403,3 +403,51 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   }
   return y;
 }
+
+// Canonical int4 bytes (uint8 [N, K/2], code of column k in the low nibble of byte k/2 for even
+// k, the high nibble for odd k) -> aten's AVX2 layout described at the top, for K padded to
+// `padded_k` with code 8 (the padding the kernels' zero input columns meet). uint8 [N, padded_k/2].
+// Placing a weight for the CPU kernels at load; the same bytes as unpacking to codes and packing
+// them with torch ops, without the two intermediate [N, K] tensors.
+torch::Tensor int4_repack_avx2(torch::Tensor canonical, int64_t padded_k) {
+  TORCH_CHECK(canonical.dtype() == torch::kUInt8 && canonical.dim() == 2 && canonical.is_contiguous(),
+              "canonical: contiguous uint8 [N, K/2]");
+  const int64_t N = canonical.size(0), half = canonical.size(1), K = 2 * half;
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(padded_k >= K && padded_k % 2 == 0, "padded_k: even, at least K");
+  auto out = torch::empty({N, padded_k / 2}, canonical.options());
+  const uint8_t* c = canonical.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const uint8_t pad = 8 | (8 << 4);
+  // Both codes of byte j of row n: low nibble column 2j, high nibble column 2j + 1.
+  auto byte_at = [&](int64_t n, int64_t j) -> uint8_t { return j < half ? c[n * half + j] : pad; };
+  const int64_t full = N / BLOCK_N * BLOCK_N, pairs = padded_k / 2;
+  at::parallel_for(0, full / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK_N;
+      uint8_t* dst = o + n0 * pairs;  // padded_k * 16 bytes for the block
+      for (int64_t j = 0; j < pairs; ++j) {
+        uint8_t* even = dst + (2 * j) * 16;
+        uint8_t* odd = even + 16;
+        for (int64_t d = 0; d < 16; ++d) {
+          const uint8_t lo = byte_at(n0 + d, j), hi = byte_at(n0 + 16 + d, j);
+          even[d] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+          odd[d] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
+        }
+      }
+    }
+  });
+  if (full < N) {  // a last block of 16 rows: per column, 8 bytes holding rows 2d (low), 2d + 1 (high)
+    uint8_t* dst = o + full * pairs;
+    for (int64_t j = 0; j < pairs; ++j) {
+      uint8_t* even = dst + (2 * j) * 8;
+      uint8_t* odd = even + 8;
+      for (int64_t d = 0; d < 8; ++d) {
+        const uint8_t lo = byte_at(full + 2 * d, j), hi = byte_at(full + 2 * d + 1, j);
+        even[d] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+        odd[d] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
+      }
+    }
+  }
+  return out;
+}
