@@ -106,9 +106,10 @@ def _clean_runs(pagemap, start: int, end: int):
             yield base + a * _PAGE, base + b * _PAGE
 
 
-def release_file_pages(paths) -> int:
+def release_file_pages(paths, within: tuple[int, int] | None = None) -> int:
     """Drop this process's resident pages of its mappings of `paths` that still hold the file's
-    bytes; returns the bytes of address range released (0 where this cannot be done safely).
+    bytes, only those overlapping the address range `within` = (start, end) if given; returns
+    the bytes of address range released (0 where this cannot be done safely).
 
     The data stays correct: a dropped page is read again from the file when it is next touched.
     Pages a write turned into private copies are kept. Unless /proc/self/pagemap can be read to
@@ -117,6 +118,10 @@ def release_file_pages(paths) -> int:
     if _LIBC is None:
         return 0
     ranges = mapped_file_ranges(paths)
+    if within is not None:
+        lo = within[0] // _PAGE * _PAGE
+        hi = -(-within[1] // _PAGE) * _PAGE
+        ranges = [(max(a, lo), min(b, hi)) for a, b in ranges if a < hi and lo < b]
     if not ranges:
         return 0
     released = 0

@@ -509,17 +509,25 @@ class AOQHfQuantizer(HfQuantizer):
             ]
         if self._calibrating():
             self._quantize_with_calibration(model)
-        self._release_memory(0, force=True)
+        self._release_memory(force=True)
         return model
 
-    def _release_memory(self, nbytes: int, force: bool = False) -> None:
-        """After `nbytes` more were read from the checkpoint: hand freed heap memory back, and
-        every _RELEASE_EVERY bytes drop the checkpoint's mapped pages that hold what was read
-        (transformers keeps the files mapped until loading ends, so they would otherwise add the
-        whole float checkpoint to the peak resident size; see hf_aoq.core.memory)."""
+    def _release_memory(self, tensors=(), force: bool = False) -> None:
+        """After `tensors` were read from the checkpoint and used: hand freed heap memory back,
+        and drop the checkpoint's mapped pages that hold what was read (transformers keeps the
+        files mapped until loading ends, so they would otherwise add the whole float checkpoint
+        to the peak resident size; see hf_aoq.core.memory). A tensor that is a view of the
+        mapping has its own pages dropped at once; the pages behind a copy transformers made (a
+        dtype conversion) are found by scanning the mappings every _RELEASE_EVERY bytes."""
         memory.return_freed_memory()
-        self._unreleased += nbytes
-        if self._files and (force or self._unreleased >= _RELEASE_EVERY):
+        if not self._files:
+            return
+        for t in tensors:
+            start = t.data_ptr()
+            if t.device.type == "cpu" and memory.release_file_pages(self._files, within=(start, start + t.nbytes)):
+                continue
+            self._unreleased += t.nbytes
+        if force or self._unreleased >= _RELEASE_EVERY:
             memory.release_file_pages(self._files)
             self._unreleased = 0
 
@@ -625,7 +633,7 @@ class AOQQuantize(_QuantizerOp):
             if target is not None and (missing_keys is None or target in missing_keys):
                 out[target] = q._quantized(target, value.detach().clone())
             out[name] = q._quantized(name, value)
-        q._release_memory(sum(v[0].nbytes if isinstance(v, list) else v.nbytes for v in input_dict.values()))
+        q._release_memory([v[0] if isinstance(v, list) else v for v in input_dict.values()])
         return out
 
 
@@ -645,7 +653,7 @@ class AOQLoad(_QuantizerOp):
             fields[suffix[len(head):]] = tensors[0]
         out = {full_layer_name: self.hf_quantizer._build_one(model, full_layer_name, fields)}
         # e.g. the canonical fields that place() just repacked, and the mapped pages read
-        self.hf_quantizer._release_memory(sum(t.nbytes for t in fields.values()))
+        self.hf_quantizer._release_memory(list(fields.values()))
         return out
 
 
