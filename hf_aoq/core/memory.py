@@ -28,9 +28,10 @@ __all__ = ["return_freed_memory", "release_file_pages", "mapped_file_ranges"]
 _LINUX = sys.platform.startswith("linux")
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
-# /proc/<pid>/pagemap: one little-endian u64 per virtual page. Bit 63: present in RAM; bit 61:
-# a file page or shared anonymous page (clear for a private copy made by a write).
-_PRESENT = 1 << 63
+# /proc/<pid>/pagemap: one little-endian u64 per virtual page. Bit 63: present in RAM; bit 62:
+# swapped out; bit 61: a file page or shared anonymous page (clear for a private copy made by a
+# write). A page is dropped only if it is neither in RAM nor in swap, or is the file's own page.
+_SWAPPED = 1 << 62
 _FILE_OR_SHARED = 1 << 61
 
 
@@ -80,8 +81,8 @@ def mapped_file_ranges(paths) -> list[tuple[int, int]]:
 
 
 def _clean_runs(pagemap, start: int, end: int):
-    """Runs [a, b) of pages in [start, end) that are safe to drop: not in RAM, or in RAM as the
-    file's own page (not a private copy made by a write)."""
+    """Runs [a, b) of pages in [start, end) that are safe to drop: neither in RAM nor in swap,
+    or the file's own page (not a private copy made by a write, in RAM or swapped out)."""
     import torch  # hf_aoq needs torch anyway; imported here to keep this module light
 
     chunk = 1 << 18  # pages per read (2 MiB of pagemap)
@@ -93,7 +94,8 @@ def _clean_runs(pagemap, start: int, end: int):
             raise OSError("short read of /proc/self/pagemap")
         e = torch.frombuffer(bytearray(data), dtype=torch.int64)
         # Bit 63 is the sign bit: present pages are negative.
-        keep = (e < 0) & ((e & _FILE_OR_SHARED) == 0)
+        held = (e < 0) | ((e & _SWAPPED) != 0)
+        keep = held & ((e & _FILE_OR_SHARED) == 0)
         if not bool(keep.any()):
             yield base, base + n * _PAGE
             continue
