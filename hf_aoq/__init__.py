@@ -4,6 +4,7 @@ from .configs import (
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
     FqnToConfig,
+    Int4DQWeightOnlyConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
@@ -11,7 +12,7 @@ from .configs import (
 from .core import AOQError, AOQTensor, FormatError, PerGroup, PerRow, PerTensor
 from . import kernels
 from .quantize import quantize_
-from .tensors import Float8Tensor, Int4Tensor, Int8Tensor
+from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,8 @@ __all__ = [
     "Float8WeightOnlyConfig",
     "FormatError",
     "FqnToConfig",
+    "Int4DQTensor",
+    "Int4DQWeightOnlyConfig",
     "Int4Tensor",
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt8WeightConfig",

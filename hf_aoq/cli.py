@@ -166,6 +166,11 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
         default = None if scheme is None else config_for_scheme(scheme, group_size)
     except AOQError as e:
         raise CLIError(str(e)) from None
+    if calibration is not None and scheme == "int4" and group_size is None:
+        raise CLIError(
+            "--calibration (GPTQ) chooses plain int4 groups: add --group-size 128 (or 32, 64, 256). The default "
+            "int4 (Int4DQ) needs no data and is more accurate (SmolLM2: 31.6 against GPTQ's 38.9 at g128)"
+        )
     if scheme is None and group_size is not None:
         raise CLIError("--group-size needs --scheme int4 or int8")
     if isinstance(recipe, (str, os.PathLike)):
@@ -308,7 +313,9 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
 
     p.add_argument("model", help="a local checkpoint folder or a Hub model id")
     p.add_argument("--scheme", choices=SCHEMES, help="config of every linear layer the recipe does not name")
-    p.add_argument("--group-size", type=int, metavar="N", help="int4: 32, 64, 128 (default) or 256; int8: groups instead of rows")
+    p.add_argument("--group-size", type=int, metavar="N",
+                   help="int4: plain groups of 32, 64, 128 or 256 (default: Int4DQ, groups of 32 with 4-bit group "
+                        "parameters, the size of g128); int8: groups instead of rows")
     p.add_argument("--recipe", metavar="FILE.json", help="per-layer FqnToConfig as JSON (hf_aoq.configs.recipe_to_dict)")
     p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],
                    help="modules to leave in float (names or regexes; put MODEL before this option)")

@@ -45,13 +45,15 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_att
 # name -> (backend, scheme). Schemes: int4 (g128 weight-only), int8 (weight-only, per row),
 # int8dyn (int8 weights, dynamic per-token int8 activations), fp8 (e4m3 weight-only, per row),
 # fp8dyn (e4m3 weights and dynamic activations, per row).
-# hf_aoq only: int4-head, int4 with lm_head quantized too (int4 g128; a tied lm_head is untied
+# hf_aoq only: int4dq (Int4DQTensor, groups of 32 with 4-bit group parameters: the command line's
+# int4), and int4-head, int4 with lm_head quantized too (int4 g128; a tied lm_head is untied
 # first), since at batch 1 the bf16 lm_head is the largest single weight read per token.
 SCHEMES = ("int4", "int8", "int8dyn", "fp8", "fp8dyn")
 CONFIGS: dict[str, tuple[str, str | None]] = {"bf16": ("plain", "bf16"), "fp32": ("plain", "fp32")}
 for _s in SCHEMES:
     CONFIGS[_s] = ("hf_aoq", _s)
     if _s == "int4":
+        CONFIGS["int4dq"] = ("hf_aoq", "int4dq")
         CONFIGS["int4-head"] = ("hf_aoq", "int4-head")
 for _s in SCHEMES:
     CONFIGS[f"torchao-{_s}"] = ("torchao", _s)
@@ -115,6 +117,8 @@ def hf_aoq_config(scheme: str):
         # Groups of 128 everywhere: where 128 does not divide the input size (SmolLM2's 576),
         # the last group of each row is partial.
         return hf_aoq.Int4WeightOnlyConfig(group_size=128)
+    if scheme == "int4dq":
+        return hf_aoq.Int4DQWeightOnlyConfig()
     if scheme == "int4-head":
         int4 = hf_aoq.Int4WeightOnlyConfig(group_size=128)
         return hf_aoq.FqnToConfig({"_default": int4, "lm_head": int4})

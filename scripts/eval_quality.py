@@ -60,6 +60,8 @@ def hf_aoq_options(calibration):
     for g in (128, 64, 32):
         yield f"hf_aoq int4 g{g} minmax", lambda m, g=g: hf_aoq.quantize_(m, I4(g, qparams="minmax"), not_lm_head)
     yield "hf_aoq int4 g128 mse (default)", lambda m: hf_aoq.quantize_(m, I4(128), not_lm_head)
+    for g in (32, 64):
+        yield f"hf_aoq int4dq g{g}", lambda m, g=g: hf_aoq.quantize_(m, hf_aoq.Int4DQWeightOnlyConfig(g), not_lm_head)
     # What torchao's int4 g128 quantizes on this model: it skips weights whose input size 128
     # does not divide (all 576-wide ones), leaving only down_proj.
     yield "hf_aoq int4 g128 mse, down_proj only (torchao's coverage)", lambda m: hf_aoq.quantize_(

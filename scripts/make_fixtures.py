@@ -7,6 +7,7 @@ new capability of a type, adds a generation to `GENERATIONS` below.
 
     manifest.json                 format version 1, schema version 1 of every type
     manifest.partial_groups.json  Int4Tensor with a partial last group (K not a multiple of g)
+    manifest.int4dq.json          Int4DQTensor (new type), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import Float8Tensor, Int4Tensor, Int8Tensor, PerRow, PerTensor  # noqa: E402
+from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, PerRow, PerTensor  # noqa: E402
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
 
@@ -114,9 +115,26 @@ def state_dicts_partial_groups() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_int4dq() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "v1_int4dq": {
+            "g32_k576_bf16": Int4DQTensor.from_float(weight(22, 16, 576, BF16), group_size=32),
+            # Partial last groups: 80 = 2 x 32 + 16; 96 = 64 + 32.
+            "g32_k80_f32": Int4DQTensor.from_float(weight(23, 32, 80, F32), group_size=32),
+            "g64_k96_f16": Int4DQTensor.from_float(weight(24, 8, 96, F16), group_size=64),
+            # An all-zero row and a constant one: the format's codes for zero.
+            "g32_k64_special_bf16": Int4DQTensor.from_float(
+                torch.cat([torch.zeros(1, 64), torch.full((1, 64), 0.5), weight(25, 14, 64, F32)]).to(BF16),
+                group_size=32,
+            ),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
+    "manifest.int4dq.json": state_dicts_int4dq,
 }
 
 

@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
 def test_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4-head,quanto-int8",
+        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4dq,int4-head,quanto-int8",
          "--no-fidelity", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32",
          "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "2", "--threads", "1"],
         capture_output=True, text=True, timeout=300,
@@ -24,7 +24,7 @@ def test_benchmark_runs_end_to_end(tmp_path):
     report = json.loads(out.read_text())
     assert report["read_bandwidth_bytes_per_s"] > 0
     results = report["results"]
-    for name in ("bf16", "int4", "int4-head"):
+    for name in ("bf16", "int4", "int4dq", "int4-head"):
         r = results[name]
         assert "error" not in r and "reload_error" not in r, r
         for key in ("load_s", "load_peak_rss_mb", "prefill_s", "decode_tps", "save_bytes", "reload_s",

@@ -78,7 +78,7 @@ def test_quantize_saves_checkpoint_tokenizer_and_card(int4_dir):
 def test_each_scheme_name_builds_its_config(scheme):
     cfg = config_for_scheme(scheme)
     expected = {
-        "int4": hf_aoq.Int4WeightOnlyConfig(group_size=128),
+        "int4": hf_aoq.Int4DQWeightOnlyConfig(),  # about g128's size, g32's accuracy
         "int8": hf_aoq.Int8WeightOnlyConfig(),
         "int8-dyn": hf_aoq.Int8DynamicActivationInt8WeightConfig(),
         "fp8": hf_aoq.Float8WeightOnlyConfig(),
@@ -186,6 +186,8 @@ def test_generate_prints_the_greedy_text_and_speed(int4_dir, capsys):
     (["quantize", "{model}", "--recipe", "{tmp}/unknown.json", "--out", "{tmp}/o"], "unknown.json"),
     (["quantize", "{model}", "--recipe", "{tmp}/missing.json", "--out", "{tmp}/o"], "cannot read the recipe file"),
     (["quantize", "{model}", "--scheme", "int4", "--out", "{model}"], "pass --overwrite"),
+    (["quantize", "{model}", "--scheme", "int4", "--calibration", "{tmp}/bad.json", "--out", "{tmp}/o"],
+     "--calibration (GPTQ) chooses plain int4 groups: add --group-size 128"),
     (["quantize", "{tmp}", "--scheme", "int4", "--out", "{tmp}/o"], "has no config.json"),
     (["inspect", "{tmp}/nothing"], "no such folder"),
     (["inspect", "{model}", "--error", "{tmp}/nothing"], "--error"),

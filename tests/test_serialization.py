@@ -9,7 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor, PerRow, PerTensor
+from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4DQTensor, Int4Tensor, Int8Tensor, PerRow, PerTensor
 from hf_aoq import serialization as S
 from hf_aoq.core import registry
 
@@ -22,6 +22,8 @@ def weight(n=16, k=128, dtype=torch.bfloat16, seed=0):
 CONFIGS = {
     "int4_asym_g32": lambda: Int4Tensor.from_float(weight(), group_size=32),
     "int4_sym_g128_f16": lambda: Int4Tensor.from_float(weight(dtype=torch.float16), group_size=128, symmetric=True),
+    "int4dq_g32": lambda: Int4DQTensor.from_float(weight(), 32),
+    "int4dq_g64_partial_f32": lambda: Int4DQTensor.from_float(weight(k=96, dtype=torch.float32), 64),
     "int8_per_row": lambda: Int8Tensor.from_float(weight()),
     "int8_per_group_f32": lambda: Int8Tensor.from_float(weight(dtype=torch.float32), group_size=32),
     "int8_dynamic": lambda: Int8Tensor.from_float(weight(), act_quant="per_token"),
@@ -214,6 +216,7 @@ def test_enum_allow_lists_match_the_tensor_types():
     assert registry.ENUMS["Int8Tensor.act_quant"] == set(int8.ACT_QUANTS) - {None}
     assert registry.ENUMS["Float8Tensor.act_quant"] == set(float8.ACT_QUANTS) - {None}
     assert registry.ENUMS["Int4Tensor.packing"] == frozenset()  # only canonical tensors are saved
+    assert registry.ENUMS["Int4DQTensor.packing"] == frozenset()
 
 
 # ---------------------------------------------------------------------- refusals when saving

@@ -20,7 +20,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_aoq import AOQConfig, AOQTensor, Int4Tensor, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+from hf_aoq import (
+    AOQConfig,
+    AOQTensor,
+    Int4DQTensor,
+    Int4DQWeightOnlyConfig,
+    Int4Tensor,
+    Int4WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+)
 from hf_aoq import smollm2
 from hf_aoq.calibration import quantize_with_calibration
 from hf_aoq.perplexity import windows
@@ -115,3 +123,24 @@ def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
     calibrated = perplexity(model, ids)
     assert calibrated <= baseline * 1.54
     assert calibrated < default
+
+
+def test_int4dq_perplexity_at_the_int4_g128_size(checkpoint, tmp_path):
+    """Int4DQTensor (groups of 32 whose scale and centre are 4-bit indices into a per-row grid)
+    at about Int4 g128's size: issue 7's goal of losing at most half of the best peer's loss.
+    Measured here +2.9% on this slice (Int4 g128: +52.8%); on issue 7's protocol 31.57 against
+    bf16 30.96, at 4.30 bits per weight against Int4 g128's 4.27."""
+    path, ids, baseline = checkpoint
+    model = load_quantized(path, Int4DQWeightOnlyConfig())
+    weights = [p for p in model.parameters() if isinstance(p, Int4DQTensor)]
+    assert len(weights) == 30 * 7
+    bits = 8 * sum(t.numel() * t.element_size() for w in weights for t in w.to_canonical().tensor_fields().values())
+    assert bits / sum(w.numel() for w in weights) < 4.31
+    assert perplexity(model, ids) <= baseline * 1.05
+
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert isinstance(again.model.layers[3].mlp.down_proj.weight, Int4DQTensor)
+    short = ids[:, :32]
+    with torch.no_grad():
+        assert torch.equal(again(short).logits, model(short).logits)

@@ -35,15 +35,16 @@ ROW_CHUNK_ELEMENTS = 1 << 18
 ROW_CHUNK_ELEMENTS_ACCELERATOR = 1 << 22
 
 
-def by_row_chunks(x: torch.Tensor, fn, rows_multiple: int = 1):
-    """`fn(rows)` over chunks of `x`'s rows (a multiple of `rows_multiple` each), its results (a
-    tuple of tensors with rows along dim 0, or None) concatenated as if it ran on all of `x`."""
+def by_row_chunks(x: torch.Tensor, fn, *aligned: torch.Tensor, rows_multiple: int = 1):
+    """`fn(rows, *aligned_rows)` over chunks of `x`'s rows (a multiple of `rows_multiple` each)
+    and the same rows of each `aligned` tensor; its results (a tuple of tensors with rows along
+    dim 0, or None) concatenated as if it ran on all of `x`."""
     n, k = x.shape
     budget = ROW_CHUNK_ELEMENTS if x.device.type == "cpu" else ROW_CHUNK_ELEMENTS_ACCELERATOR
     step = max(rows_multiple, budget // max(k, 1) // rows_multiple * rows_multiple)
     if step >= n:
-        return fn(x)
-    parts = [fn(x[i : i + step]) for i in range(0, n, step)]
+        return fn(x, *aligned)
+    parts = [fn(x[i : i + step], *(a[i : i + step] for a in aligned)) for i in range(0, n, step)]
     return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
 
 

@@ -324,3 +324,64 @@ def float8_cpu_linear(x, w, bias):
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------- Int4DQTensor
+# The int4 kernels of csrc/int_cpu.cpp with each group's scale and centre decoded from the
+# 4-bit indices (gparams) and the row grid (rparams, tparams) as the format defines them. The
+# codes are packed as Int4Tensor's; gparams are transposed to [G, N] so that one group's bytes
+# for a block of rows are contiguous.
+INT4DQ_GEMV_MAX_ROWS = INT4_GEMV_MAX_ROWS
+
+
+def _int4dq_packable(w) -> bool:
+    return w.shape[0] % 16 == 0 and int4_ext_ready()
+
+
+def pack_int4dq_for_cpu(w):
+    qdata = cpu_ext.load().int4_repack_avx2(w.qdata.contiguous(), int4_padded_k(w))
+    return w.replace(qdata=qdata, gparams=w.gparams.t().contiguous(), packing="cpu_int4dq")
+
+
+def unpack_int4dq_from_cpu(w):
+    n, k = w.shape
+    codes = avx2_int4unpack_codes(w.qdata, n, int4_padded_k(w))[:, :k]
+    return w.replace(qdata=pack_int4(codes), gparams=w.gparams.t().contiguous(), packing=None)
+
+
+register_packing(
+    Packing("cpu_int4dq", "Int4DQTensor", "cpu", 10, _int4dq_packable, pack_int4dq_for_cpu, unpack_int4dq_from_cpu)
+)
+
+
+@torch.library.custom_op("hf_aoq::int4dq_linear_cpu", mutates_args=())
+def int4dq_linear_cpu(
+    x2: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    return cpu_ext.load().int4dq_linear(x2, packed, gparams_t, rparams, tparams, group_size, INT4DQ_GEMV_MAX_ROWS)
+
+
+@int4dq_linear_cpu.register_fake
+def _(x2, packed, gparams_t, rparams, tparams, group_size):
+    return x2.new_empty(x2.shape[0], packed.shape[0])
+
+
+def _int4dq_applies(x, w) -> bool:
+    return w.packing == "cpu_int4dq" and x.device.type == "cpu" and x.dtype in FLOATS
+
+
+@register_kernel("linear", "Int4DQTensor", "cpu_int4dq_ext", backend="cpu", priority=20, applies=_int4dq_applies)
+def int4dq_ext_linear(x, w, bias):
+    """Float32 compute whatever the activation dtype, as the int4 kernel."""
+    g = w.block_size[-1]
+    if not torch.compiler.is_compiling():
+        return cpu_ext.load().int4dq_linear_io(
+            x, w.qdata, w.gparams, w.rparams, w.tparams, g, x.shape[-1], bias, INT4DQ_GEMV_MAX_ROWS
+        )
+    n, k, padded_k = _int4_dims(w)
+    x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()
+    y = int4dq_linear_cpu(x2, w.qdata, w.gparams, w.rparams, w.tparams, g)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -1,6 +1,7 @@
 """Quantized tensor types, one file per dtype family."""
 from .float8 import Float8Tensor
 from .int4 import Int4Tensor
+from .int4dq import Int4DQTensor
 from .int8 import Int8Tensor
 
-__all__ = ["Int4Tensor", "Int8Tensor", "Float8Tensor"]
+__all__ = ["Int4Tensor", "Int4DQTensor", "Int8Tensor", "Float8Tensor"]

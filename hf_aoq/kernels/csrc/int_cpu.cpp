@@ -14,13 +14,16 @@
 // these kernels. Per 32 output rows n0..n0+31 and per k, 16 bytes: byte d holds row n0+d in its
 // low nibble and row n0+16+d in its high nibble. A last block of 16 rows holds, per k, 8 bytes:
 // byte d holds rows n0+2d (low) and n0+2d+1 (high). Scale and zero: [groups, N, 2].
-// The weight is (q - 8) * scale + zero.
+// The weight is (q - 8) * scale + zero. Int4DQTensor (at the end) reads the same code layout
+// with its own per-group parameters.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -33,15 +36,23 @@ constexpr int64_t BLOCK_N = 32;
 template <typename T>
 inline float as_float(T v) { return static_cast<float>(v); }
 
-// Scale and (zero - 8 * scale) of rows [n0, n0 + rows) for group g, as float32.
+// Per-(group, row-block) parameters of the int4 kernels: a provider fills s[r] and z[r] for rows
+// [n0, n0 + rows) of group g, and the weight is (q - P::offset) * s + z. The GEMV folds the
+// offset into zc = z - offset * s.
+// Int4Tensor: scale and zero from scale_zero [groups, N, 2], offset 8.
 template <typename T>
-inline void group_params(const T* sz, int64_t N, int64_t g, int64_t n0, int64_t rows, float* s, float* zc) {
-  const T* p = sz + (g * N + n0) * 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    s[r] = as_float(p[2 * r]);
-    zc[r] = as_float(p[2 * r + 1]) - 8.f * s[r];
+struct ScaleZeroParams {
+  static constexpr float offset = 8.f;
+  const T* sz;
+  int64_t N;
+  void operator()(int64_t g, int64_t n0, int64_t rows, float* s, float* z) const {
+    const T* p = sz + (g * N + n0) * 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      s[r] = as_float(p[2 * r]);
+      z[r] = as_float(p[2 * r + 1]);
+    }
   }
-}
+};
 
 // Code of row r (0..rows-1) at column k inside a block whose bytes start at `blk`.
 inline int code_at(const uint8_t* blk, int64_t rows, int64_t k, int64_t r) {
@@ -119,10 +130,10 @@ inline void int4_group_dot1(const uint8_t* blk, const float* x, int64_t k0, int6
 }
 #endif
 
-template <typename T>
-void int4_gemv(const float* x, const uint8_t* w, const T* sz, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
+template <class P>
+void int4_gemv(const float* x, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
   const int64_t G = K / gs;
-  // Per activation row and group, the sum of x: it carries the (zero - 8 * scale) term.
+  // Per activation row and group, the sum of x: it carries the (z - offset * s) term.
   std::vector<float> xsum(M * G);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
@@ -139,7 +150,8 @@ void int4_gemv(const float* x, const uint8_t* w, const T* sz, float* y, int64_t 
       const uint8_t* blk = w + n0 * K / 2;
       std::fill(out.begin(), out.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {
-        group_params(sz, N, g, n0, rows, s, zc);
+        params(g, n0, rows, s, zc);
+        for (int64_t r = 0; r < rows; ++r) zc[r] = zc[r] - P::offset * s[r];  // vectorized by the compiler
         const int64_t k0 = g * gs, k1 = k0 + gs;
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
           const int mb = static_cast<int>(std::min<int64_t>(2, M - m0));
@@ -161,6 +173,17 @@ void int4_gemv(const float* x, const uint8_t* w, const T* sz, float* y, int64_t 
           for (int i = 0; i < mb; ++i) {
             const float xsg = xsum[(m0 + i) * G + g];
             float* o = out.data() + (m0 + i) * BLOCK_N;
+#if defined(__AVX2__)
+            if (rows == BLOCK_N) {  // the same operations as below, eight rows at a time
+              const __m256 xv = _mm256_set1_ps(xsg);
+              for (int j = 0; j < 4; ++j) {
+                const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s + 8 * j), _mm256_loadu_ps(acc[i] + 8 * j)),
+                                               _mm256_mul_ps(_mm256_loadu_ps(zc + 8 * j), xv));
+                _mm256_storeu_ps(o + 8 * j, _mm256_add_ps(_mm256_loadu_ps(o + 8 * j), t));
+              }
+              continue;
+            }
+#endif
             for (int64_t r = 0; r < rows; ++r) o[r] += s[r] * acc[i][r] + zc[r] * xsg;
           }
         }
@@ -170,10 +193,11 @@ void int4_gemv(const float* x, const uint8_t* w, const T* sz, float* y, int64_t 
   });
 }
 
-// W^T for rows [n0, n1) (block aligned) as float32 [K, n1 - n0]: (q - 8) * scale + zero, with a
-// separate multiply and add (built with -ffp-contract=off), as the reference computes it.
-template <typename T>
-void int4_dequant_t(const uint8_t* w, const T* sz, float* out, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
+// W^T for rows [n0, n1) (block aligned) as float32 [K, n1 - n0]: (q - offset) * s + z (for
+// Int4Tensor (q - 8) * scale + zero), with a separate multiply and add (built with
+// -ffp-contract=off), as the reference computes it.
+template <class P>
+void int4_dequant_t(const uint8_t* w, const P& params, float* out, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
   const int64_t C = n1 - n0, G = K / gs;
   const int64_t b0 = n0 / BLOCK_N, b1 = (n1 + BLOCK_N - 1) / BLOCK_N;
   // Serial on purpose: see DEQUANT_NOTE.
@@ -184,27 +208,23 @@ void int4_dequant_t(const uint8_t* w, const T* sz, float* out, int64_t N, int64_
       const uint8_t* blk = w + bn0 * K / 2;
       float* o = out + (bn0 - n0);
       for (int64_t g = 0; g < G; ++g) {
-        const T* p = sz + (g * N + bn0) * 2;
-        for (int64_t r = 0; r < rows; ++r) {
-          s[r] = as_float(p[2 * r]);
-          z[r] = as_float(p[2 * r + 1]);
-        }
+        params(g, bn0, rows, s, z);
         for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
           float* ok = o + k * C;
 #if defined(__AVX2__)
           if (rows == BLOCK_N) {
             __m256 q[4];
             codes32(blk + k * 16, q[0], q[1], q[2], q[3]);
-            const __m256 eight = _mm256_set1_ps(8.f);
+            const __m256 off = _mm256_set1_ps(P::offset);
             for (int j = 0; j < 4; ++j) {
-              const __m256 v = _mm256_mul_ps(_mm256_sub_ps(q[j], eight), _mm256_loadu_ps(s + 8 * j));
+              const __m256 v = _mm256_mul_ps(_mm256_sub_ps(q[j], off), _mm256_loadu_ps(s + 8 * j));
               _mm256_storeu_ps(ok + 8 * j, _mm256_add_ps(v, _mm256_loadu_ps(z + 8 * j)));
             }
             continue;
           }
 #endif
           for (int64_t r = 0; r < rows; ++r) {
-            const float v = (float(code_at(blk, rows, k, r)) - 8.f) * s[r];
+            const float v = (float(code_at(blk, rows, k, r)) - P::offset) * s[r];
             ok[r] = v + z[r];
           }
         }
@@ -225,15 +245,15 @@ constexpr int64_t CHUNK_ELEMS = int64_t(4) << 20;
 
 inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(256, CHUNK_ELEMS / K / 32 * 32); }
 
-template <typename T>
-void int4_gemm(const torch::Tensor& x, const uint8_t* w, const T* sz, torch::Tensor& y, int64_t N, int64_t K, int64_t gs) {
+template <class P>
+void int4_gemm(const torch::Tensor& x, const uint8_t* w, const P& params, torch::Tensor& y, int64_t N, int64_t K, int64_t gs) {
   const int64_t C = std::min(N, chunk_rows(K));
   auto wt = torch::empty({K, C}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += C) {
     const int64_t n1 = std::min(N, n0 + C);
     auto chunk = wt;
     if (n1 - n0 < C) chunk = torch::empty({K, n1 - n0}, x.options());
-    int4_dequant_t(w, sz, chunk.data_ptr<float>(), N, K, gs, n0, n1);
+    int4_dequant_t(w, params, chunk.data_ptr<float>(), N, K, gs, n0, n1);
     y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk));
   }
 }
@@ -256,10 +276,11 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   auto run = [&](auto* sz) {
+    const ScaleZeroParams<std::remove_const_t<std::remove_pointer_t<decltype(sz)>>> params{sz, N};
     if (M <= gemv_max_rows)
-      int4_gemv(x.data_ptr<float>(), w, sz, y.data_ptr<float>(), M, N, K, group_size);
+      int4_gemv(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, group_size);
     else
-      int4_gemm(x, w, sz, y, N, K, group_size);
+      int4_gemm(x, w, params, y, N, K, group_size);
   };
   switch (scale_zero.scalar_type()) {
     case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
@@ -450,4 +471,125 @@ torch::Tensor int4_repack_avx2(torch::Tensor canonical, int64_t padded_k) {
     }
   }
   return out;
+}
+
+
+// Int4DQTensor: the int4 codes above (the same AVX2 layout, with code 8 padding) whose per-group
+// scale d and centre c are 4-bit codes a, b (gparams: a low nibble, b high nibble) between
+// per-row ends decoded from 8-bit log codes (rparams: kd_lo, kd_hi, kc_lo, kc_hi) and two
+// per-tensor values (tparams: T_d, T_c):
+//   LUT[j] = float32(2^(-j/32)), j = 0..31
+//   dval(k) = 0 if k == 255 else (T_d * LUT[k % 32]) * 2^-(k / 32)
+//   cval(k) = 0 if (k & 127) == 127 else +-(T_c * LUT[2 * (m % 16)]) * 2^-(m / 16), m = k & 127,
+//             negative when k >= 128
+//   dstep = (dhi - dlo) / 15, cstep = (chi - clo) / 15
+//   d = dlo + a * dstep, c = clo + b * cstep, w = (q - 7.5) * d + c
+// all in float32, each multiply and add rounded on its own.
+namespace {
+
+// (dlo, dstep, clo, cstep) of N rows from rparams [N, 4] into out [N, 4].
+void int4dq_decode_rows(const uint8_t* rp, float td, float tc, float* out, int64_t N) {
+  float lut[32], pow2[8];
+  for (int j = 0; j < 32; ++j) lut[j] = static_cast<float>(std::exp2(-j / 32.0));
+  // 2^-e for e = 0..7: multiplying by it is exact, as ldexp is, and much cheaper per row.
+  for (int e = 0; e < 8; ++e) pow2[e] = std::ldexp(1.f, -e);
+  auto dval = [&](int k) -> float { return k == 255 ? 0.f : (td * lut[k & 31]) * pow2[k >> 5]; };
+  auto cval = [&](int k) -> float {
+    const int m = k & 127;
+    if (m == 127) return 0.f;
+    const float v = (tc * lut[2 * (m & 15)]) * pow2[m >> 4];
+    return (k >> 7) ? -v : v;
+  };
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* r = rp + n * 4;
+    const float dlo = dval(r[0]), dhi = dval(r[1]), clo = cval(r[2]), chi = cval(r[3]);
+    out[n * 4 + 0] = dlo;
+    out[n * 4 + 1] = (dhi - dlo) / 15.f;
+    out[n * 4 + 2] = clo;
+    out[n * 4 + 3] = (chi - clo) / 15.f;
+  }
+}
+
+// The int4 kernels' parameter provider for Int4DQTensor: d and c of rows [n0, n0 + rows) in
+// group g from gparams_t [G, N] (one group's bytes contiguous over rows) and the decoded rows,
+// held as four arrays (dlo, dstep, clo, cstep) so that the loop over rows vectorizes.
+struct DQParams {
+  static constexpr float offset = 7.5f;
+  const uint8_t* gp;  // [G, N]
+  const float* dlo;
+  const float* dstep;
+  const float* clo;
+  const float* cstep;
+  int64_t N;
+  void operator()(int64_t g, int64_t n0, int64_t rows, float* __restrict d, float* __restrict c) const {
+    const uint8_t* __restrict p = gp + g * N + n0;
+    const float* __restrict l0 = dlo + n0;
+    const float* __restrict s0 = dstep + n0;
+    const float* __restrict l1 = clo + n0;
+    const float* __restrict s1 = cstep + n0;
+#if defined(__AVX2__)
+    if (rows == BLOCK_N) {  // the same multiply and add, eight rows at a time
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
+        const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        const __m256 b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        _mm256_storeu_ps(d + 8 * j, _mm256_add_ps(_mm256_loadu_ps(l0 + 8 * j), _mm256_mul_ps(a, _mm256_loadu_ps(s0 + 8 * j))));
+        _mm256_storeu_ps(c + 8 * j, _mm256_add_ps(_mm256_loadu_ps(l1 + 8 * j), _mm256_mul_ps(b, _mm256_loadu_ps(s1 + 8 * j))));
+      }
+      return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+      const float a = static_cast<float>(p[r] & 15), b = static_cast<float>(p[r] >> 4);
+      d[r] = l0[r] + a * s0[r];
+      c[r] = l1[r] + b * s1[r];
+    }
+  }
+};
+
+torch::Tensor int4dq_decode(const torch::Tensor& rparams, const torch::Tensor& tparams) {
+  TORCH_CHECK(rparams.dtype() == torch::kUInt8 && rparams.dim() == 2 && rparams.size(1) == 4,
+              "rparams: uint8 [N, 4]");
+  TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.numel() == 2, "tparams: float32 [2]");
+  auto rp = rparams.contiguous();
+  auto tp = tparams.contiguous();
+  const int64_t N = rp.size(0);
+  auto out = torch::empty({N, 4}, tp.options());
+  const float* t = tp.data_ptr<float>();
+  int4dq_decode_rows(rp.data_ptr<uint8_t>(), t[0], t[1], out.data_ptr<float>(), N);
+  return out;
+}
+
+}  // namespace
+
+// (dlo, dstep, clo, cstep) per row, float32 [N, 4], as the Int4DQTensor kernels decode them.
+torch::Tensor int4dq_row_params(torch::Tensor rparams, torch::Tensor tparams) { return int4dq_decode(rparams, tparams); }
+
+// x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
+// packed: uint8 [N, Kp/2] in aten's AVX2 layout (int4_repack_avx2 of the canonical codes);
+// gparams_t: uint8 [Kp/group_size, N] contiguous (the canonical gparams transposed); rparams:
+// uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: the GEMV at up to gemv_max_rows
+// rows, else chunks dequantized exactly as the format defines and float32 GEMM.
+torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                            torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
+              "packed: contiguous uint8 [N, Kp/2]");
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(group_size > 0 && K % group_size == 0, "Kp must be a multiple of group_size");
+  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
+                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
+              "gparams_t: contiguous uint8 [Kp/group_size, N]");
+  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
+  auto rows = int4dq_decode(rparams, tparams).t().contiguous();  // [4, N]: dlo, dstep, clo, cstep
+  const float* rp = rows.data_ptr<float>();
+  const DQParams params{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N};
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (M <= gemv_max_rows)
+    int4_gemv(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, group_size);
+  else
+    int4_gemm(x, w, params, y, N, K, group_size);
+  return y;
 }

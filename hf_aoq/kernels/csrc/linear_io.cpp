@@ -41,6 +41,18 @@ torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::T
   });
 }
 
+// F.linear(x, Int4DQ weight, bias) in one call; see linear_io and int4dq_linear. k: the true input
+// size (the kernel sees it padded to whole groups).
+torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                               torch::Tensor tparams, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
+                               int64_t gemv_max_rows) {
+  TORCH_CHECK(group_size > 0, "group_size must be positive");
+  const int64_t padded_k = (k + group_size - 1) / group_size * group_size;
+  return linear_io(x, k, padded_k, packed.size(0), bias, [&](const torch::Tensor& x2) {
+    return int4dq_linear(x2, packed, gparams_t, rparams, tparams, group_size, gemv_max_rows);
+  });
+}
+
 // F.linear(x, int8 weight, bias) in one call; scale: [N] or [N, 1] of any float dtype.
 torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                              int64_t gemv_max_rows) {

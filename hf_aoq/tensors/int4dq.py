@@ -1,0 +1,301 @@
+"""Int4DQTensor: 4-bit codes in small groups whose scale and centre are 4-bit codes themselves.
+
+Int4Tensor spends 32 bits per group on a bf16 scale and zero, so small groups (which follow the
+weights closely) cost a lot: 5 bits per weight at groups of 32. Here each group's scale `d` and
+centre `c` are 4-bit indices into a per-row grid, whose ends are 8-bit log codes relative to two
+per-tensor floats: 4 + 8/32 + 32/K bits per weight, about the size of Int4Tensor at groups of
+128, with the accuracy of groups of 32 (docs/format.md has the measurements).
+
+Canonical layout (what is saved), weight [N, K], K even, groups of g along K (the last may be
+partial), G = ceil(K / g):
+    qdata    uint8 [N, K/2]   codes q in [0, 15], two per byte, low nibble = even k
+    gparams  uint8 [N, G]     per group: low nibble a (scale index), high nibble b (centre index)
+    rparams  uint8 [N, 4]     per row: kd_lo, kd_hi, kc_lo, kc_hi, 8-bit log codes
+    tparams  float32 [2]      per tensor: T_d, T_c
+
+Decoding, in float32 (every `x * y + z` a multiply, then an add):
+    LUT[j] = float32(2 ** (-j / 32)), j = 0..31
+    dval(k) = 0 if k == 255 else (T_d * LUT[k % 32]) * 2 ** -(k // 32)
+    cval(k) = 0 if k & 127 == 127 else (-1) ** (k >> 7) * ((T_c * LUT[2 * (m % 16)]) * 2 ** -(m // 16)),
+              m = k & 127
+    dlo, dhi, clo, chi = dval(kd_lo), dval(kd_hi), cval(kc_lo), cval(kc_hi)
+    dstep = (dhi - dlo) / 15;  cstep = (chi - clo) / 15
+    per group:  d = dlo + a * dstep;  c = clo + b * cstep
+    per weight: w = (q - 7.5) * d + c, then cast to the weight's dtype
+
+The CPU packing ("cpu_int4dq") holds qdata in aten's AVX2 int4 layout (as Int4Tensor's) and
+gparams transposed to [G, N]; `to_canonical()` undoes it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..core.errors import AOQError
+from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
+from ..core.registry import register_tensor_type
+from .common import BlockGridTensor, check_weight
+
+GROUP_SIZES = (32, 64)
+# float32(2^(-j/32)): the mantissas of the 8-bit log codes. Computed in float64 and rounded once,
+# so every implementation of the format (and the C++ kernels) has the same 32 numbers.
+LUT = torch.tensor([2.0 ** (-j / 32) for j in range(32)], dtype=torch.float32)
+D_ZERO, C_ZERO = 255, 127  # the codes of 0 (C_ZERO: in the low 7 bits, either sign)
+_SEARCH = (-1, 0, 1)  # scale and centre indices tried around the nearest ones
+
+
+@register_tensor_type
+class Int4DQTensor(BlockGridTensor):
+    tensor_data_names = ("qdata", "gparams", "rparams", "tparams")
+    tensor_attribute_names = ("block_size", "shape", "dtype")
+    optional_tensor_attribute_names = ("packing",)
+    schema_version = 1
+    codes_per_byte = 2
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = 32, *, name: str = "weight"):
+        """Quantize a float [N, K] weight. Per group: min/max give the group's scale and centre;
+        per row, the range of those is coded in 8 bits at each end; each group then takes the
+        4-bit scale and centre indices, among the nearest ones and their neighbours, that
+        reconstruct it with the least squared error, and its codes are rounded on that grid."""
+        check_weight(weight, name)
+        check_finite(weight, name)
+        if group_size not in GROUP_SIZES:
+            raise AOQError(f"{name}: Int4DQTensor group_size must be one of {GROUP_SIZES}, got {group_size}")
+        if weight.shape[1] % 2 or weight.numel() == 0:
+            raise AOQError(f"{name}: int4 needs an even, non-empty input dimension, got shape {tuple(weight.shape)}")
+        d0, c0 = by_row_chunks(weight, lambda w: _group_minmax(w, group_size))
+        tparams = torch.stack([d0.max(), c0.abs().max()]).to(torch.float32)
+        tparams = torch.where(tparams > 0, tparams, torch.ones_like(tparams))  # all zero: any T works
+        # Rows are independent once T_d and T_c are fixed: quantized in chunks of rows.
+        qdata, gparams, rparams = by_row_chunks(
+            weight, lambda w, d, c: _quantize_rows(w, group_size, tparams, d, c), d0, c0
+        )
+        return cls(qdata, gparams, rparams, tparams, (1, group_size), weight.shape, weight.dtype)
+
+    @classmethod
+    def check_fields(cls, fields) -> None:
+        super().check_fields(fields)
+        shape, block = tuple(fields["shape"]), fields["block_size"]
+        if len(shape) != 2:
+            raise AOQError(f"attribute 'shape': Int4DQTensor is 2-D, got {shape}")
+        n, k = shape
+        if not fields["dtype"].is_floating_point or fields["dtype"].itemsize < 2:
+            raise AOQError(f"attribute 'dtype': {fields['dtype']} is not a float dtype of 16 bits or more")
+        if type(block) is not tuple or len(block) != 2 or block[0] != 1 or block[1] not in GROUP_SIZES:
+            raise AOQError(f"attribute 'block_size': {block!r}, expected (1, g) with g in {GROUP_SIZES}")
+        if k % 2:
+            raise AOQError(f"attribute 'shape': last dimension of {shape} is not even")
+        groups = -(-k // block[1])
+        expected = {
+            "qdata": ((n, k // 2), torch.uint8),
+            "gparams": ((n, groups), torch.uint8),
+            "rparams": ((n, 4), torch.uint8),
+            "tparams": ((2,), torch.float32),
+        }
+        for field, (want_shape, want_dtype) in expected.items():
+            t = fields[field]
+            if t.dtype != want_dtype or tuple(t.shape) != want_shape:
+                raise AOQError(
+                    f"field {field!r}: {t.dtype} {tuple(t.shape)}, expected {want_dtype} {want_shape} for shape {shape}"
+                )
+        tp = fields["tparams"]
+        if tp.device.type != "meta" and not bool((torch.isfinite(tp) & (tp > 0)).all()):
+            raise AOQError(f"field 'tparams': {tp.tolist()}, expected two finite positive numbers")
+        if fields.get("packing") is not None:
+            raise AOQError(f"attribute 'packing': {fields['packing']!r}; checkpoints hold the canonical layout only")
+
+    @property
+    def group_size(self) -> int:
+        return self.block_size[-1]
+
+    def codes(self) -> torch.Tensor:
+        """The uint8 codes in [0, 15], shape [N, K]."""
+        return unpack_int4(self.to_canonical().qdata)
+
+    def group_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's scale d and centre c, float32 [N, G]."""
+        c = self.to_canonical()
+        dlo, dstep, clo, cstep = decode_row_params(c.rparams, c.tparams).unbind(1)
+        a = (c.gparams & 15).float()
+        b = (c.gparams >> 4).float()
+        return dlo[:, None] + a * dstep[:, None], clo[:, None] + b * cstep[:, None]
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, k = self.shape
+        g = self.group_size
+        d, c = self.group_grid()
+        q = self.codes().float()
+        groups = d.shape[1]
+        pad = groups * g - k
+        if pad:
+            q = torch.nn.functional.pad(q, (0, pad))
+        w = (q.reshape(n, groups, g) - 7.5) * d[..., None] + c[..., None]
+        return w.reshape(n, groups * g)[:, :k].to(dtype or self.dtype).contiguous()
+
+    def to_canonical(self) -> "Int4DQTensor":
+        return self if self.packing is None else kernels.get_packing(self.packing).unpack(self)
+
+    def place(self) -> "Int4DQTensor":
+        canonical = self.to_canonical()
+        packing = kernels.best_packing(canonical)
+        if packing is None:
+            return canonical
+        return self if packing.name == self.packing else packing.pack(canonical)
+
+    def _to_device(self, device: torch.device) -> "Int4DQTensor":
+        moved = self.to_canonical().apply_to_tensors(lambda t: t.to(device))
+        return moved.place() if self.packing is not None else moved
+
+    # Slicing and row gathers (F.embedding) work on the canonical fields: rows carry their own
+    # row parameters; a slice along K must start on a group and end on one or at K.
+    def select_rows(self, rows: torch.Tensor) -> "Int4DQTensor":
+        c = self.to_canonical()
+        return c.replace(
+            qdata=c.qdata.index_select(0, rows),
+            gparams=c.gparams.index_select(0, rows),
+            rparams=c.rparams.index_select(0, rows),
+            shape=(rows.numel(), c.shape[1]),
+        )
+
+    def slice_fields(self, dim: int, start: int, end: int) -> "Int4DQTensor":
+        c = self.to_canonical()
+        n, k = c.shape
+        if dim == 0:
+            return c.replace(
+                qdata=c.qdata[start:end], gparams=c.gparams[start:end], rparams=c.rparams[start:end],
+                shape=(end - start, k),
+            )
+        g = c.group_size
+        if start % g or (end % g and end != k) or end % 2:
+            raise AOQError(f"Int4DQTensor: slice [{start}:{end}] of dim 1 must align with its groups of {g}")
+        return c.replace(
+            qdata=c.qdata[:, start // 2 : end // 2],
+            gparams=c.gparams[:, start // g : -(-end // g)],
+            shape=(n, end - start),
+        )
+
+
+def decode_row_params(rparams: torch.Tensor, tparams: torch.Tensor) -> torch.Tensor:
+    """float32 [N, 4]: each row's (dlo, dstep, clo, cstep), as the format defines them."""
+    k = rparams.to(torch.int64)
+    lut = LUT.to(rparams.device)
+    t_d, t_c = tparams[0], tparams[1]
+
+    def dval(code):
+        v = torch.ldexp(t_d * lut[code % 32], -(code // 32).float())
+        return torch.where(code == D_ZERO, torch.zeros_like(v), v)
+
+    def cval(code):
+        m = code & 127
+        v = torch.ldexp(t_c * lut[2 * (m % 16)], -(m // 16).float())
+        v = torch.where(code >> 7 == 1, -v, v)
+        return torch.where(m == C_ZERO, torch.zeros_like(v), v)
+
+    dlo, dhi, clo, chi = dval(k[:, 0]), dval(k[:, 1]), cval(k[:, 2]), cval(k[:, 3])
+    return torch.stack([dlo, (dhi - dlo) / 15, clo, (chi - clo) / 15], dim=1)
+
+
+def _padded_groups(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 [N, G, g]; a partial last group is padded by repeating its last column (which
+    changes neither its min nor its max), and the mask [G * g] of real columns is returned."""
+    n, k = w.shape
+    groups = -(-k // g)
+    x = w.float()
+    if groups * g == k:
+        return x.reshape(n, groups, g), None
+    x = torch.cat([x, x[:, -1:].expand(n, groups * g - k)], dim=1)
+    mask = torch.arange(groups * g, device=w.device) < k
+    return x.reshape(n, groups, g), mask.reshape(groups, g)
+
+
+def _group_minmax(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's min/max scale (range / 15) and centre ((max + min) / 2), float32 [N, G]."""
+    x, _ = _padded_groups(w, g)
+    lo, hi = x.amin(-1), x.amax(-1)
+    return (hi - lo) / 15, (hi + lo) / 2
+
+
+def _nearest_code(x: torch.Tensor, t: torch.Tensor, steps: int, kmax: int, decode) -> torch.Tensor:
+    """The code in [0, kmax] of `decode` (value = t * 2^(-k/steps)) nearest to x > 0: the
+    log-domain estimate and its neighbours, judged with the exact decoding."""
+    est = torch.round(torch.log2(t.double() / x.double().clamp(min=1e-300)) * steps).clamp(0, kmax).to(torch.int64)
+    best, best_err = est, None
+    for k in (est - 1, est, est + 1):
+        k = k.clamp(0, kmax)
+        err = (decode(k) - x).abs()
+        if best_err is None:
+            best, best_err = k, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, k, best), torch.where(better, err, best_err)
+    return best
+
+
+def _encode_row_params(dlo, dhi, clo, chi, tparams) -> torch.Tensor:
+    """uint8 [N, 4] codes nearest to the rows' grid ends (0 for non-positive scales, 0 for a
+    zero centre)."""
+    t_d, t_c = tparams[0], tparams[1]
+    lut = LUT.to(dlo.device)
+
+    def dmag(k):
+        return torch.ldexp(t_d * lut[k % 32], -(k // 32).float())
+
+    def cmag(k):
+        return torch.ldexp(t_c * lut[2 * (k % 16)], -(k // 16).float())
+
+    def dcode(x):
+        k = _nearest_code(x, t_d, 32, D_ZERO - 1, dmag)
+        # Zero when that is nearer than the smallest code (or x is not positive).
+        return torch.where((x <= 0) | (x < dmag(k) - x), torch.full_like(k, D_ZERO), k)
+
+    def ccode(x):
+        a = x.abs()
+        m = _nearest_code(a, t_c, 16, C_ZERO - 1, cmag)
+        m = torch.where((a == 0) | (a < cmag(m) - a), torch.full_like(m, C_ZERO), m)
+        return torch.where(x < 0, m | 128, m)
+
+    return torch.stack([dcode(dlo), dcode(dhi), ccode(clo), ccode(chi)], dim=1).to(torch.uint8)
+
+
+def _quantize_rows(w, g, tparams, d0, c0):
+    """(qdata, gparams, rparams) of the rows `w` given their groups' min/max scale and centre."""
+    n, k = w.shape
+    rparams = _encode_row_params(d0.amin(1), d0.amax(1), c0.amin(1), c0.amax(1), tparams)
+    dlo, dstep, clo, cstep = decode_row_params(rparams, tparams).unbind(1)
+    dlo, dstep, clo, cstep = dlo[:, None], dstep[:, None], clo[:, None], cstep[:, None]
+
+    def nearest_index(value, lo, step):
+        safe = torch.where(step > 0, step, torch.ones_like(step))
+        return torch.where(step > 0, torch.round((value - lo) / safe), torch.zeros_like(value)).clamp(0, 15)
+
+    a0, b0 = nearest_index(d0, dlo, dstep), nearest_index(c0, clo, cstep)
+    x, mask = _padded_groups(w, g)
+    best = None
+    for da in _SEARCH:
+        for db in _SEARCH:
+            a, b = (a0 + da).clamp(0, 15), (b0 + db).clamp(0, 15)
+            d = dlo + a * dstep
+            c = clo + b * cstep
+            q, err = _codes_and_error(x, d, c, mask)
+            if best is None:
+                best = [a, b, q, err]
+            else:
+                better = err < best[3]
+                best = [torch.where(better, a, best[0]), torch.where(better, b, best[1]),
+                        torch.where(better[..., None], q, best[2]), torch.where(better, err, best[3])]
+    a, b, q = best[0], best[1], best[2]
+    codes = q.reshape(n, -1)[:, :k].to(torch.uint8)
+    gparams = (a.to(torch.uint8) | (b.to(torch.uint8) << 4))
+    return pack_int4(codes), gparams, rparams
+
+
+def _codes_and_error(x, d, c, mask):
+    """Codes of groups x [N, G, g] on the grid (d, c) [N, G], and each group's squared error."""
+    d3, c3 = d[..., None], c[..., None]
+    safe = torch.where(d3 > 0, d3, torch.ones_like(d3))
+    q = torch.where(d3 > 0, torch.round((x - c3) / safe + 7.5), torch.full_like(x, 8.0)).clamp_(0, 15)
+    diff = ((q - 7.5) * d3 + c3 - x).square_()
+    if mask is not None:
+        diff = diff * mask
+    return q, diff.sum(-1)

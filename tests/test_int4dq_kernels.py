@@ -1,0 +1,201 @@
+"""hf_aoq's CPU kernels for the Int4DQ weight format (csrc/int_cpu.cpp: int4dq_linear,
+int4dq_row_params; csrc/linear_io.cpp: int4dq_linear_io) against a pure-torch reference of the
+format written here from its definition:
+
+    qdata   uint8 [N, K/2]  codes q in [0, 15], low nibble = even column
+    gparams uint8 [N, G]    per group: a (low nibble), b (high nibble)
+    rparams uint8 [N, 4]    per row: kd_lo, kd_hi, kc_lo, kc_hi
+    tparams float32 [2]     T_d, T_c
+
+    LUT[j] = float32(2^(-j/32)); dval(k) = 0 if k == 255 else (T_d * LUT[k % 32]) * 2^-(k // 32)
+    cval(k) = 0 if m == 127 else (-1)^(k >> 7) * (T_c * LUT[2 * (m % 16)]) * 2^-(m // 16), m = k & 127
+    dstep = (dhi - dlo) / 15, cstep = (chi - clo) / 15
+    d = dlo + a * dstep, c = clo + b * cstep, w = (q - 7.5) * d + c   (float32, no fused ops)
+
+The kernels read the codes in aten's AVX2 int4pack layout (int4_repack_avx2 of the canonical
+bytes, padded to whole groups) and the group bytes transposed ([G, N])."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_aoq.kernels import cpu, cpu_ext
+
+pytestmark = pytest.mark.skipif(not cpu.int4_ext_ready(), reason="hf_aoq's CPU int4 kernels do not apply here")
+
+GEMV_MAX_ROWS = 48  # the int4 kernels' crossover (cpu.INT4_GEMV_MAX_ROWS); any value works here
+
+SHAPES = [
+    (n, k, g)
+    for n in (32, 48, 16)  # one 32-row block, a block and a 16-row tail, a lone 16-row block
+    for k, g in ((64, 32), (576, 32), (80, 32), (576, 64), (80, 64))  # 80: a partial last group of 16
+]
+
+
+# ---- the reference -------------------------------------------------------------------------
+
+LUT = torch.tensor([2.0 ** (-j / 32) for j in range(32)], dtype=torch.float64).to(torch.float32)
+POW2 = torch.tensor([2.0**-i for i in range(8)], dtype=torch.float32)  # exact: 2^-(k // 32), k < 256
+
+
+def ref_dval(k: torch.Tensor, t_d: torch.Tensor) -> torch.Tensor:
+    v = (t_d * LUT[k % 32]) * POW2[k // 32]
+    return torch.where(k == 255, torch.zeros_like(v), v)
+
+
+def ref_cval(k: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
+    m = k & 127
+    v = (t_c * LUT[2 * (m % 16)]) * POW2[m // 16]
+    v = torch.where((k >> 7) == 1, -v, v)
+    return torch.where(m == 127, torch.zeros_like(v), v)
+
+
+def ref_row_params(rparams: torch.Tensor, tparams: torch.Tensor) -> torch.Tensor:
+    """(dlo, dstep, clo, cstep) per row, float32 [N, 4]."""
+    r = rparams.long()
+    t_d, t_c = tparams[0], tparams[1]
+    dlo, dhi = ref_dval(r[:, 0], t_d), ref_dval(r[:, 1], t_d)
+    clo, chi = ref_cval(r[:, 2], t_c), ref_cval(r[:, 3], t_c)
+    fifteen = torch.full_like(dlo, 15.0)
+    return torch.stack([dlo, (dhi - dlo) / fifteen, clo, (chi - clo) / fifteen], dim=1)
+
+
+def ref_group_params(gparams, rparams, tparams):
+    """Per-group d and c, float32 [N, G] each."""
+    rows = ref_row_params(rparams, tparams)
+    a = (gparams & 15).to(torch.float32)
+    b = (gparams >> 4).to(torch.float32)
+    d = rows[:, 0:1] + a * rows[:, 1:2]
+    c = rows[:, 2:3] + b * rows[:, 3:4]
+    return d, c
+
+
+def ref_dequantize(qdata, gparams, rparams, tparams, k: int, g: int) -> torch.Tensor:
+    """The float32 weight [N, K] from the canonical fields."""
+    n = qdata.shape[0]
+    q = torch.stack([qdata & 15, qdata >> 4], dim=-1).reshape(n, -1)[:, :k].to(torch.float32)
+    d, c = ref_group_params(gparams, rparams, tparams)
+    d = d.repeat_interleave(g, dim=1)[:, :k]
+    c = c.repeat_interleave(g, dim=1)[:, :k]
+    return (q - 7.5) * d + c
+
+
+# ---- random canonical fields ------------------------------------------------------------------
+
+
+def random_fields(n: int, k: int, g: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // g)
+    qdata = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    gparams = torch.randint(0, 256, (n, groups), generator=gen, dtype=torch.uint8)
+    kd = torch.randint(0, 256, (n, 2), generator=gen, dtype=torch.int64)
+    kd_lo, kd_hi = kd.max(dim=1).values, kd.min(dim=1).values  # a larger code is a smaller value: dhi >= dlo
+    kc = torch.randint(0, 256, (n, 2), generator=gen, dtype=torch.int64)  # random signs
+    rparams = torch.stack([kd_lo, kd_hi, kc[:, 0], kc[:, 1]], dim=1)
+    # The special codes: dlo = 0 (255), and c ends of zero with either sign bit (127, 255).
+    rparams[0, 0] = 255
+    rparams[1, 2], rparams[1, 3] = 127, 255
+    rparams[2, 2], rparams[2, 3] = 255, 127
+    rparams[3, 0], rparams[3, 1] = 255, 255
+    rparams = rparams.to(torch.uint8)
+    tparams = torch.rand(2, generator=gen) * 0.1 + 0.01
+    return qdata, gparams, rparams, tparams
+
+
+def kernel_fields(qdata, gparams, g: int):
+    """What the kernels take: AVX2-packed codes padded to whole groups, gparams transposed."""
+    padded_k = gparams.shape[1] * g
+    packed = cpu_ext.load().int4_repack_avx2(qdata, padded_k)
+    return packed, gparams.t().contiguous(), padded_k
+
+
+def rel_err(expected, got):
+    return float((expected.float() - got.float()).norm() / expected.float().norm())
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+def test_row_params_decode_every_code_exactly():
+    """Every 8-bit code at every position, for a few tensor values: the C++ decoding equals the
+    reference bit for bit."""
+    ext = cpu_ext.load()
+    codes = torch.arange(256, dtype=torch.uint8)
+    rparams = torch.stack([codes, codes.flip(0), codes.roll(7), codes.roll(100)], dim=1).contiguous()
+    for t in ([1.0, 1.0], [0.0123, 0.0457], [3.3e-3, 7.1], [1e-38, 2e-38]):  # the last: subnormal results
+        tparams = torch.tensor(t, dtype=torch.float32)
+        got = ext.int4dq_row_params(rparams, tparams)
+        expected = ref_row_params(rparams, tparams)
+        assert got.dtype == torch.float32 and got.shape == (256, 4)
+        assert torch.equal(got, expected), t
+
+
+@pytest.mark.parametrize("n,k,g", SHAPES)
+def test_row_params_decode_random_fields(n, k, g):
+    _, _, rparams, tparams = random_fields(n, k, g)
+    got = cpu_ext.load().int4dq_row_params(rparams, tparams)
+    assert torch.equal(got, ref_row_params(rparams, tparams))
+
+
+@pytest.mark.parametrize("n,k,g", SHAPES)
+def test_many_rows_path_dequantizes_exactly(n, k, g):
+    """Fed the identity, the many-rows path returns its float32 dequantized weight: bit for bit
+    the reference's."""
+    qdata, gparams, rparams, tparams = random_fields(n, k, g)
+    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    eye = torch.eye(padded_k)
+    got = cpu_ext.load().int4dq_linear(eye, packed, gparams_t, rparams, tparams, g, 0)
+    assert got.shape == (padded_k, n)
+    assert torch.equal(got.t()[:, :k], ref_dequantize(qdata, gparams, rparams, tparams, k, g))
+
+
+@pytest.mark.parametrize("n,k,g", SHAPES)
+def test_linear_both_paths_match_reference(n, k, g):
+    qdata, gparams, rparams, tparams = random_fields(n, k, g)
+    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    w = ref_dequantize(qdata, gparams, rparams, tparams, k, g)
+    ext = cpu_ext.load()
+    torch.manual_seed(1)
+    for m in (1, 2, 3, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 70):
+        x = torch.randn(m, k)
+        xp = F.pad(x, (0, padded_k - k))
+        got = ext.int4dq_linear(xp, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert rel_err(x @ w.t(), got) < 1e-5, m
+
+
+def test_many_rows_path_over_several_chunks():
+    """Large K makes the dequantized chunks 256 rows: 272 rows are two chunks, the last one a
+    16-row block."""
+    n, k, g = 272, 16384, 32
+    qdata, gparams, rparams, tparams = random_fields(n, k, g, seed=5)
+    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    w = ref_dequantize(qdata, gparams, rparams, tparams, k, g)
+    torch.manual_seed(2)
+    ext = cpu_ext.load()
+    for m in (2, 60):
+        x = torch.randn(m, k)
+        got = ext.int4dq_linear(x, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS)
+        assert rel_err(x @ w.t(), got) < 1e-5, m
+
+
+@pytest.mark.parametrize("n,k,g", [(48, 80, 32), (32, 576, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_call_entry_point_equals_the_composed_ops(n, k, g, dtype, with_bias):
+    """int4dq_linear_io does x.float(), zero padding to whole groups, the kernel, + bias.float()
+    and .to(dtype) in one call: the same bits as those steps composed from torch ops."""
+    qdata, gparams, rparams, tparams = random_fields(n, k, g, seed=3)
+    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    ext = cpu_ext.load()
+    torch.manual_seed(4)
+    bias = torch.randn(n, dtype=dtype) if with_bias else None
+    for shape in ((1, k), (2, 3, k), (70, k)):
+        x = torch.randn(*shape, dtype=dtype)
+        eager = ext.int4dq_linear_io(x, packed, gparams_t, rparams, tparams, g, k, bias, GEMV_MAX_ROWS)
+        x2 = F.pad(x.reshape(-1, k).float(), (0, padded_k - k))
+        y = ext.int4dq_linear(x2, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS)
+        if bias is not None:
+            y = y + bias.float()
+        composed = y.to(dtype).reshape(*shape[:-1], n)
+        assert eager.dtype == dtype and eager.shape == (*shape[:-1], n)
+        assert torch.equal(eager, composed), shape
