@@ -82,13 +82,14 @@ def test_mutated_header_length_and_padding(data):
 # ---------------------------------------------------------------------- hf_aoq metadata
 NAMES = sorted(DOC["tensors"])
 WORDS = st.sampled_from(
-    ["Int4Tensor", "Int8Tensor", "Float8Tensor", "bfloat16", "float8_e5m2", "int32", "uint8", "ints", "int",
+    ["Int4Tensor", "Int4DQTensor", "Int8Tensor", "Float8Tensor", "bfloat16", "float8_e5m2", "int32", "uint8", "ints",
+     "int", "gparams", "rparams", "tparams", "cpu_int4dq",
      "F32", "BF16", "U8", "I8", "F8_E4M3", "F4", "data_offsets", "__metadata__",
      "bool", "dtype", "enum", "per_token", "per_row", "per_tensor", "cpu_int4pack", "qdata", "scale", "zero",
      "shape", "dtype", "block_size", "act_quant", "act_dtype", "packing", "fields", "attributes", "type",
      "schema_version", "format_version", "tensors", "__class__", "os.system", ""]
     + NAMES
-    + [f"{n}:{f}" for n in NAMES for f in ("qdata", "scale", "zero")]
+    + [f"{n}:{f}" for n in NAMES for f in ("qdata", "scale", "zero", "gparams", "rparams", "tparams")]
 )
 json_values = st.recursive(
     st.none()
