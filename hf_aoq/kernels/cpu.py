@@ -134,15 +134,11 @@ def _int4_layout_matches() -> bool:
     return packed.dtype == torch.uint8 and torch.equal(packed.contiguous().reshape(-1), avx2_int4pack_bytes(codes))
 
 
-def _int4pack_linear(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    return cpu_ext.load().int4pack_linear(x2, packed, scale_zero, group_size, INT4_GEMV_MAX_ROWS)
-
-
 # The custom op makes the kernel opaque to torch.compile; eager calls skip its dispatch, which
 # costs as much as the kernel itself for a small layer at batch 1.
 @torch.library.custom_op("hf_aoq::int4pack_linear_cpu", mutates_args=())
 def int4pack_linear_cpu(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    return _int4pack_linear(x2, packed, scale_zero, group_size)
+    return cpu_ext.load().int4pack_linear(x2, packed, scale_zero, group_size, INT4_GEMV_MAX_ROWS)
 
 
 @int4pack_linear_cpu.register_fake
@@ -227,13 +223,9 @@ def int8_cpu_linear(x, w, bias):
 INT8_GEMV_MAX_ROWS = 8  # measured crossover with dequantize + GEMM, 2048x5632, one thread
 
 
-def _int8_linear(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS)
-
-
 @torch.library.custom_op("hf_aoq::int8_linear_cpu", mutates_args=())
 def int8_linear_cpu(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _int8_linear(x2, qdata, scale)
+    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS)
 
 
 @int8_linear_cpu.register_fake
@@ -330,8 +322,7 @@ def float8_cpu_linear(x, w, bias):
 # The int4 kernels of csrc/int_cpu.cpp with each group's scale and centre decoded from the
 # 4-bit indices (gparams) and the row grid (rparams, tparams) as the format defines them. The
 # codes are packed as Int4Tensor's; gparams are transposed to [G, N] so that one group's bytes
-# for a block of rows are contiguous.
-INT4DQ_GEMV_MAX_ROWS = INT4_GEMV_MAX_ROWS
+# for a block of rows are contiguous. Its GEMV / GEMM crossover is Int4's (INT4_GEMV_MAX_ROWS).
 
 
 def _int4dq_packable(w) -> bool:
@@ -359,7 +350,7 @@ def int4dq_linear_cpu(
     x2: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
     group_size: int,
 ) -> torch.Tensor:
-    return cpu_ext.load().int4dq_linear(x2, packed, gparams_t, rparams, tparams, group_size, INT4DQ_GEMV_MAX_ROWS)
+    return cpu_ext.load().int4dq_linear(x2, packed, gparams_t, rparams, tparams, group_size, INT4_GEMV_MAX_ROWS)
 
 
 @int4dq_linear_cpu.register_fake
@@ -377,7 +368,7 @@ def int4dq_ext_linear(x, w, bias):
     g = w.block_size[-1]
     if not torch.compiler.is_compiling():
         return cpu_ext.load().int4dq_linear_io(
-            x, w.qdata, w.gparams, w.rparams, w.tparams, g, x.shape[-1], bias, INT4DQ_GEMV_MAX_ROWS
+            x, w.qdata, w.gparams, w.rparams, w.tparams, g, x.shape[-1], bias, INT4_GEMV_MAX_ROWS
         )
     n, k, padded_k = _int4_dims(w)
     x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()

@@ -103,6 +103,25 @@ def check_weight(weight: torch.Tensor, name: str) -> None:
         raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
 
 
+class DevicePacked:
+    """Mixin for types with device packings (`packing` attribute, None when canonical): the
+    packing registered in `hf_aoq.kernels` is undone for saving and chosen again per device."""
+
+    def to_canonical(self):
+        return self if self.packing is None else kernels.get_packing(self.packing).unpack(self)
+
+    def place(self):
+        canonical = self.to_canonical()
+        packing = kernels.best_packing(canonical)
+        if packing is None:
+            return canonical
+        return self if packing.name == self.packing else packing.pack(canonical)
+
+    def _to_device(self, device: torch.device):
+        moved = self.to_canonical().apply_to_tensors(lambda t: t.to(device))
+        return moved.place() if self.packing is not None else moved
+
+
 class BlockGridTensor(AOQTensor):
     """Base of the quantized weight types: codes `qdata` (`codes_per_byte` per byte along the
     last dim) and per-block `scale` (and `zero`) grids of shape (N / block[0], ceil(K / block[1])).

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..core.errors import AOQError
 from ..core.primitives import (
     by_row_chunks,
@@ -28,14 +27,14 @@ from ..core.primitives import (
     unpack_int4,
 )
 from ..core.registry import register_tensor_type
-from .common import BlockGridTensor, check_grid_fields, check_weight
+from .common import BlockGridTensor, DevicePacked, check_grid_fields, check_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
 QMIN, QMAX = 0, 15
 
 
 @register_tensor_type
-class Int4Tensor(BlockGridTensor):
+class Int4Tensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = ("block_size", "shape", "dtype")
     optional_tensor_data_names = ("zero",)
@@ -89,19 +88,6 @@ class Int4Tensor(BlockGridTensor):
         c = self.to_canonical()
         return dequantize_affine(unpack_int4(c.qdata), c.block_size, c.scale, c.zero, QMIN, QMAX, dtype or self.dtype)
 
-    def to_canonical(self) -> "Int4Tensor":
-        return self if self.packing is None else kernels.get_packing(self.packing).unpack(self)
-
-    def place(self) -> "Int4Tensor":
-        canonical = self.to_canonical()
-        packing = kernels.best_packing(canonical)
-        if packing is None:
-            return canonical
-        return self if packing.name == self.packing else packing.pack(canonical)
-
-    def _to_device(self, device: torch.device) -> "Int4Tensor":
-        moved = self.to_canonical().apply_to_tensors(lambda t: t.to(device))
-        return moved.place() if self.packing is not None else moved
 
 
 def choose_int4_qparams(block: torch.Tensor, config, dtype: torch.dtype, *, name: str = "weight"):

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
 from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
-from .common import BlockGridTensor, check_weight
+from .common import BlockGridTensor, DevicePacked, check_weight
 
 GROUP_SIZES = (32, 64)
 # float32(2^(-j/32)): the mantissas of the 8-bit log codes. Computed in float64 and rounded once,
@@ -45,7 +44,7 @@ _SEARCH = (-1, 0, 1)  # scale and centre indices tried around the nearest ones
 
 
 @register_tensor_type
-class Int4DQTensor(BlockGridTensor):
+class Int4DQTensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "gparams", "rparams", "tparams")
     tensor_attribute_names = ("block_size", "shape", "dtype")
     optional_tensor_attribute_names = ("packing",)
@@ -133,20 +132,6 @@ class Int4DQTensor(BlockGridTensor):
         w = (q.reshape(n, groups, g) - 7.5) * d[..., None] + c[..., None]
         return w.reshape(n, groups * g)[:, :k].to(dtype or self.dtype).contiguous()
 
-    def to_canonical(self) -> "Int4DQTensor":
-        return self if self.packing is None else kernels.get_packing(self.packing).unpack(self)
-
-    def place(self) -> "Int4DQTensor":
-        canonical = self.to_canonical()
-        packing = kernels.best_packing(canonical)
-        if packing is None:
-            return canonical
-        return self if packing.name == self.packing else packing.pack(canonical)
-
-    def _to_device(self, device: torch.device) -> "Int4DQTensor":
-        moved = self.to_canonical().apply_to_tensors(lambda t: t.to(device))
-        return moved.place() if self.packing is not None else moved
-
     # Slicing and row gathers (F.embedding) work on the canonical fields: rows carry their own
     # row parameters; a slice along K must start on a group and end on one or at K.
     def select_rows(self, rows: torch.Tensor) -> "Int4DQTensor":
@@ -176,19 +161,28 @@ class Int4DQTensor(BlockGridTensor):
         )
 
 
+def _dmag(k: torch.Tensor, t_d: torch.Tensor) -> torch.Tensor:
+    """T_d * 2^(-k/32) for int64 codes k, as the format computes it."""
+    return torch.ldexp(t_d * LUT.to(k.device)[k % 32], -(k // 32).float())
+
+
+def _cmag(m: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
+    """T_c * 2^(-m/16) for int64 magnitude codes m, as the format computes it."""
+    return torch.ldexp(t_c * LUT.to(m.device)[2 * (m % 16)], -(m // 16).float())
+
+
 def decode_row_params(rparams: torch.Tensor, tparams: torch.Tensor) -> torch.Tensor:
     """float32 [N, 4]: each row's (dlo, dstep, clo, cstep), as the format defines them."""
     k = rparams.to(torch.int64)
-    lut = LUT.to(rparams.device)
     t_d, t_c = tparams[0], tparams[1]
 
     def dval(code):
-        v = torch.ldexp(t_d * lut[code % 32], -(code // 32).float())
+        v = _dmag(code, t_d)
         return torch.where(code == D_ZERO, torch.zeros_like(v), v)
 
     def cval(code):
         m = code & 127
-        v = torch.ldexp(t_c * lut[2 * (m % 16)], -(m // 16).float())
+        v = _cmag(m, t_c)
         v = torch.where(code >> 7 == 1, -v, v)
         return torch.where(m == C_ZERO, torch.zeros_like(v), v)
 
@@ -236,13 +230,12 @@ def _encode_row_params(dlo, dhi, clo, chi, tparams) -> torch.Tensor:
     """uint8 [N, 4] codes nearest to the rows' grid ends (0 for non-positive scales, 0 for a
     zero centre)."""
     t_d, t_c = tparams[0], tparams[1]
-    lut = LUT.to(dlo.device)
 
     def dmag(k):
-        return torch.ldexp(t_d * lut[k % 32], -(k // 32).float())
+        return _dmag(k, t_d)
 
     def cmag(k):
-        return torch.ldexp(t_c * lut[2 * (k % 16)], -(k // 16).float())
+        return _cmag(k, t_c)
 
     def dcode(x):
         k = _nearest_code(x, t_d, 32, D_ZERO - 1, dmag)
