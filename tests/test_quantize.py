@@ -221,3 +221,63 @@ def test_quantized_model_runs_under_inference_mode_and_no_grad_only_needed_for_c
         a = model(IDS)
     b = model(IDS)  # eager with autograd enabled: biases are float parameters
     assert torch.equal(a, b.detach())
+
+
+_COMPILE_IN_FRESH_PROCESS = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+import hf_aoq.core.tensor as core
+if sys.argv[1] != "-":
+    core._source_digest = lambda: sys.argv[1]  # as if hf_aoq's sources had changed
+from hf_aoq import Float8WeightOnlyConfig, quantize_
+from test_quantize import IDS, tiny
+q = quantize_(tiny(torch.float32), Float8WeightOnlyConfig())
+with torch.no_grad():
+    torch.compile(q, fullgraph=True)(IDS)
+print(json.dumps(dict(counters["aot_autograd"])))
+"""
+
+
+def test_compile_cache_is_keyed_on_hf_aoq_sources(tmp_path):
+    # torch.compile caches compiled graphs on disk, keyed on the traced program and on each
+    # input's `_stable_hash_for_caching`. The program holds torch.nn.functional.linear, not
+    # hf_aoq's kernel code: without hf_aoq's sources in the key, a graph compiled by an older
+    # hf_aoq (other kernels, other op arguments) was reused after an upgrade and returned NaN.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+
+    def compile_once(digest):
+        r = subprocess.run([sys.executable, "-c", _COMPILE_IN_FRESH_PROCESS, digest], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = compile_once("-")
+    assert first.get("autograd_cache_saved", 0) >= 1, first
+    again = compile_once("-")  # same sources: the key is stable across processes
+    assert again.get("autograd_cache_hit", 0) >= 1 and not again.get("autograd_cache_miss"), again
+    changed = compile_once("0" * 64)  # other sources: compiled afresh
+    assert changed.get("autograd_cache_miss", 0) >= 1 and not changed.get("autograd_cache_hit"), changed
+
+
+def test_source_digest_sees_every_source_file(tmp_path):
+    from hf_aoq.core.tensor import source_digest
+
+    (tmp_path / "pkg" / "csrc").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "csrc" / "k.cpp").write_text("int f() { return 1; }\n")
+    base = source_digest(tmp_path / "pkg")
+    assert source_digest(tmp_path / "pkg") == base
+    (tmp_path / "pkg" / "csrc" / "k.cpp").write_text("int f() { return 2; }\n")
+    assert source_digest(tmp_path / "pkg") != base
+    (tmp_path / "pkg" / "csrc" / "k.cpp").write_text("int f() { return 1; }\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("not a source")
+    assert source_digest(tmp_path / "pkg") == base
