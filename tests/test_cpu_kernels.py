@@ -207,3 +207,36 @@ def test_repacking_from_canonical_bytes_matches_the_torch_packing(n, k, g):
     assert placed.packing == "cpu_int4pack" and torch.equal(placed.qdata, got)
     back = placed.to_canonical()
     assert torch.equal(back.qdata, q.qdata) and torch.equal(back.scale, q.scale) and torch.equal(back.zero, q.zero)
+
+
+@needs_int4_ext
+@pytest.mark.parametrize("kind", ["int4", "int4dq", "int8", "fp8"])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_many_rows_path_over_many_chunks_and_threads(kind, mode):
+    """The many-rows path splits the output columns into chunks that threads dequantize and
+    multiply on their own (dequant_gemm.cpp): several chunks and a partial last one (with an
+    int4 16-row tail block here), two threads, and the caller's inference mode carried into the
+    workers (a worker without it cannot write an inference tensor)."""
+    from hf_aoq import Float8Tensor, Int4DQTensor
+
+    torch.manual_seed(0)
+    n, k = 3 * 256 + 48, 1024  # 256 output columns per chunk at K = 1024
+    w = torch.randn(n, k)
+    q = {
+        "int4": lambda: Int4Tensor.from_float(w, 128),
+        "int4dq": lambda: Int4DQTensor.from_float(w, 32),
+        "int8": lambda: Int8Tensor.from_float(w),
+        "fp8": lambda: Float8Tensor.from_float(w, torch.float8_e4m3fn),
+    }[kind]().place()
+    ref = q.dequantize(torch.float32)
+    x = torch.randn(40, k)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with getattr(torch, mode)():
+            got = F.linear(x, q)
+            expected = F.linear(x, ref)
+    finally:
+        torch.set_num_threads(threads)
+    assert kernels.select_kernel("linear", x, q).name != "reference"
+    assert rel_err(expected, got) < 1e-5

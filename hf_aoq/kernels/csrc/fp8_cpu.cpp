@@ -142,33 +142,24 @@ torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   const float exact_factor = shift == 20 ? std::ldexp(1.f, 120) : std::ldexp(1.f, 112);
   const int s = static_cast<int>(shift);
   auto y = torch::empty({M, N}, x.options());
-  // About 16 MB of float32 per chunk (see CHUNK_ELEMS in int_cpu.cpp).
-  const int64_t CHUNK = std::min(N, std::max<int64_t>(256, (int64_t(4) << 20) / K));
-  auto wc = torch::empty({CHUNK, K}, x.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += CHUNK) {
-    const int64_t n1 = std::min(N, n0 + CHUNK);
-    auto chunk = wc.narrow(0, 0, n1 - n0);
-    float* wp = chunk.data_ptr<float>();
-    {  // on the calling thread, as in int_cpu.cpp (DEQUANT_NOTE)
-      DenormalsKept keep;
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = cp + n * K;
-        float* o = wp + (n - n0) * K;
-        const float rs = sp[n];
-        int64_t k = 0;
+  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, [&](int64_t n0, int64_t n1, float* wp) {
+    DenormalsKept keep;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = cp + n * K;
+      float* o = wp + (n - n0) * K;
+      const float rs = sp[n];
+      int64_t k = 0;
 #if defined(__AVX2__)
-        const __m256 f = _mm256_set1_ps(exact_factor), sv = _mm256_set1_ps(rs);
-        for (; k + 8 <= K; k += 8) {
-          const __m256 v = _mm256_mul_ps(codes_to_scaled_floats(row + k, s), f);  // exact: the code's value
-          _mm256_storeu_ps(o + k, _mm256_mul_ps(v, sv));
-        }
-#endif
-        for (; k < K; ++k) o[k] = (code_to_scaled_float(row[k], s) * exact_factor) * rs;
+      const __m256 f = _mm256_set1_ps(exact_factor), sv = _mm256_set1_ps(rs);
+      for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_mul_ps(codes_to_scaled_floats(row + k, s), f);  // exact: the code's value
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(v, sv));
       }
+#endif
+      for (; k < K; ++k) o[k] = (code_to_scaled_float(row[k], s) * exact_factor) * rs;
     }
-    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk.t()));
-  }
+  });
   return y;
 }

@@ -6,8 +6,8 @@
 // few hundred rows (prefill), than a float32 GEMM. Here:
 //   few rows:  each weight row block is read once, widened to float32 in registers and dotted
 //              with every activation row (a GEMV that streams the weight);
-//   many rows: chunks of the weight (16 MB of float32 at most) are dequantized exactly as the
-//              reference does it and multiplied by float32 GEMM; nothing is cached.
+//   many rows: chunks of the weight are dequantized exactly as the reference does it and
+//              multiplied by float32 GEMM (dequant_gemm.cpp); nothing is cached.
 //
 // Int4 weights are read in aten's AVX2 CPU layout (what `_convert_weight_to_int4pack_for_cpu`
 // writes on AVX2 builds); Python checks that the running torch writes that layout before using
@@ -200,7 +200,6 @@ template <class P>
 void int4_dequant_t(const uint8_t* w, const P& params, float* out, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
   const int64_t C = n1 - n0, G = K / gs;
   const int64_t b0 = n0 / BLOCK_N, b1 = (n1 + BLOCK_N - 1) / BLOCK_N;
-  // Serial on purpose: see DEQUANT_NOTE.
   auto body = [&](int64_t bb0, int64_t bb1) {
     float s[BLOCK_N], z[BLOCK_N];
     for (int64_t b = bb0; b < bb1; ++b) {
@@ -234,28 +233,10 @@ void int4_dequant_t(const uint8_t* w, const P& params, float* out, int64_t N, in
   body(b0, b1);
 }
 
-// DEQUANT_NOTE: the many-rows paths dequantize each chunk on the calling thread. Dequantizing
-// in a parallel region between the GEMM's parallel regions made the whole call 3-4x slower with
-// two threads on a shared 2-core machine (spinning OpenMP workers; fine with
-// OMP_WAIT_POLICY=PASSIVE), while the dequantization is a few percent of the GEMM's time.
-// Weight rows per dequantized chunk in the GEMM paths: about 16 MB of float32 at most, a
-// multiple of 32 (the int4 block). Smaller chunks cost GEMM efficiency with two threads
-// (256 rows: 1.8x the time of one GEMM over all rows; 1024 and up: about 1x).
-constexpr int64_t CHUNK_ELEMS = int64_t(4) << 20;
-
-inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(256, CHUNK_ELEMS / K / 32 * 32); }
-
 template <class P>
 void int4_gemm(const torch::Tensor& x, const uint8_t* w, const P& params, torch::Tensor& y, int64_t N, int64_t K, int64_t gs) {
-  const int64_t C = std::min(N, chunk_rows(K));
-  auto wt = torch::empty({K, C}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += C) {
-    const int64_t n1 = std::min(N, n0 + C);
-    auto chunk = wt;
-    if (n1 - n0 < C) chunk = torch::empty({K, n1 - n0}, x.options());
-    int4_dequant_t(w, params, chunk.data_ptr<float>(), N, K, gs, n0, n1);
-    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk));
-  }
+  dequant_gemm(x, y, N, K, BLOCK_N, /*transposed=*/true,
+               [&](int64_t n0, int64_t n1, float* buf) { int4_dequant_t(w, params, buf, N, K, gs, n0, n1); });
 }
 
 }  // namespace
@@ -406,22 +387,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
     int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
     return y;
   }
-  const int64_t CHUNK = std::min(N, chunk_rows(K));
-  auto wc = torch::empty({CHUNK, K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += CHUNK) {
-    const int64_t n1 = std::min(N, n0 + CHUNK);
-    auto chunk = wc.narrow(0, 0, n1 - n0);
-    const int8_t* qp = q.data_ptr<int8_t>();
-    const float* sp = scale.data_ptr<float>();
-    float* cp = chunk.data_ptr<float>();
-    for (int64_t n = n0; n < n1; ++n) {  // serial on purpose: see DEQUANT_NOTE
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, [&](int64_t n0, int64_t n1, float* buf) {
+    for (int64_t n = n0; n < n1; ++n) {
       const int8_t* row = qp + n * K;
-      float* o = cp + (n - n0) * K;
+      float* o = buf + (n - n0) * K;
       const float s = sp[n];
       for (int64_t k = 0; k < K; ++k) o[k] = float(row[k]) * s;
     }
-    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, chunk.t()));
-  }
+  });
   return y;
 }
 
