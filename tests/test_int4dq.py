@@ -138,6 +138,27 @@ def test_degenerate_weights():
         Int4DQTensor.from_float(torch.ones(16, 64), 128)
 
 
+@pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
+@pytest.mark.parametrize(
+    "shape, g, dtype",
+    [((200, 2048), 32, torch.bfloat16), ((64, 1000), 64, torch.float32), ((48, 70), 32, torch.float16), ((16, 2), 32, torch.float32)],
+)
+def test_cpp_search_chooses_as_the_torch_search(shape, g, dtype, monkeypatch):
+    """The quantizer's C++ search (int4dq_search) and its torch version pick the same scale and
+    centre indices and codes: rows of very different ranges, zero rows, constant rows, a partial
+    last group."""
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * torch.logspace(-4, 1, shape[0])[:, None]
+    w[1] = 0.0
+    w[2] = 0.3
+    w = w.to(dtype)
+    fast = Int4DQTensor.from_float(w, g)
+    monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    slow = Int4DQTensor.from_float(w, g)
+    for name in ("qdata", "gparams", "rparams", "tparams"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+
+
 def _fields(q):
     return {**q.tensor_fields(), **q.attributes()}
 

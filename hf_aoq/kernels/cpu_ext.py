@@ -20,7 +20,7 @@ SOURCES = ("dequant_gemm.cpp", "fp8_cpu.cpp", "int_cpu.cpp", "linear_io.cpp")  #
 FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
     "int4pack_linear_io", "int8_linear_io", "fp8_linear_io", "int4_repack_avx2",
-    "int4dq_linear", "int4dq_linear_io", "int4dq_row_params",
+    "int4dq_linear", "int4dq_linear_io", "int4dq_row_params", "int4dq_search",
 ]
 
 

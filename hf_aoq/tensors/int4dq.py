@@ -33,6 +33,7 @@ import torch
 from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
+from ..kernels import cpu_ext
 from .common import BlockGridTensor, DevicePacked, check_weight
 
 GROUP_SIZES = (32, 64)
@@ -264,6 +265,20 @@ def _quantize_rows(w, g, tparams, d0, c0):
 
     a0, b0 = nearest_index(d0, dlo, dstep), nearest_index(c0, clo, cstep)
     x, mask = _padded_groups(w, g)
+    ext = cpu_ext.load() if x.device.type == "cpu" else None
+    if ext is not None:
+        # The same search in C++ (int_cpu.cpp, int4dq_search): about 10x faster than torch ops.
+        rows = torch.cat([dlo, dstep, clo, cstep], dim=1).contiguous()
+        q, a, b = ext.int4dq_search(x.reshape(n, -1), a0.to(torch.uint8), b0.to(torch.uint8), rows, g, k)
+    else:
+        a, b, q = _search(x, mask, a0, b0, dlo, dstep, clo, cstep)
+    codes = q.reshape(n, -1)[:, :k].to(torch.uint8)
+    gparams = (a.to(torch.uint8) | (b.to(torch.uint8) << 4))
+    return pack_int4(codes), gparams, rparams
+
+
+def _search(x, mask, a0, b0, dlo, dstep, clo, cstep):
+    """Each group's best (a, b) among the nearest indices and their neighbours, and its codes."""
     best = None
     for da in _SEARCH:
         for db in _SEARCH:
@@ -277,10 +292,7 @@ def _quantize_rows(w, g, tparams, d0, c0):
                 better = err < best[3]
                 best = [torch.where(better, a, best[0]), torch.where(better, b, best[1]),
                         torch.where(better[..., None], q, best[2]), torch.where(better, err, best[3])]
-    a, b, q = best[0], best[1], best[2]
-    codes = q.reshape(n, -1)[:, :k].to(torch.uint8)
-    gparams = (a.to(torch.uint8) | (b.to(torch.uint8) << 4))
-    return pack_int4(codes), gparams, rparams
+    return best[0], best[1], best[2]
 
 
 def _codes_and_error(x, d, c, mask):
