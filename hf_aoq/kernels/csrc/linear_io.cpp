@@ -4,8 +4,43 @@
 // handful of small ops cost more than a small layer's kernel at batch 1. The kernels themselves
 // are in int_cpu.cpp and fp8_cpu.cpp (built into the same module, before this file).
 #include <torch/extension.h>
+#include <type_traits>
 
 namespace {
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+
+// Rows of x (contiguous, [M, k], dtype T) as float32 [M, padded_k], zero past k: one allocation
+// and a loop, where reshape + to + pad are several dispatched ops (a few microseconds each,
+// twice per linear and per token).
+template <typename T>
+void widen_rows(const T* src, float* dst, int64_t M, int64_t k, int64_t padded_k) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* s = src + m * k;
+    float* d = dst + m * padded_k;
+    for (int64_t i = 0; i < k; ++i) d[i] = to_float(s[i]);
+    for (int64_t i = k; i < padded_k; ++i) d[i] = 0.f;
+  }
+}
+
+// out = T(y + bias) elementwise (bias may be null): float32 add, then one rounding to T, as
+// (y + bias.float()).to(T) does.
+template <typename T>
+void narrow_rows(const float* y, const float* bias, T* out, int64_t M, int64_t n) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < n; ++j) out[m * n + j] = static_cast<T>(bias ? y[m * n + j] + bias[j] : y[m * n + j]);
+}
+
+template <class F>
+void dispatch_float(torch::ScalarType t, F f) {
+  switch (t) {
+    case torch::kFloat32: f(float()); break;
+    case torch::kBFloat16: f(c10::BFloat16()); break;
+    case torch::kFloat16: f(c10::Half()); break;
+    default: TORCH_CHECK(false, "x: float32, bfloat16 or float16");
+  }
+}
 
 // x of any float dtype and shape [..., k] becomes float32 [M, padded_k] (zero columns past k),
 // `core` maps that to float32 [M, n], the bias (any float dtype) is added in float32 and the
@@ -18,16 +53,32 @@ torch::Tensor linear_io(const torch::Tensor& x, int64_t k, int64_t padded_k, int
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
                   x.scalar_type() == torch::kFloat16,
               "x: float32, bfloat16 or float16");
-  auto x2 = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
-  if (padded_k != k) x2 = at::constant_pad_nd(x2, {0, padded_k - k});
-  auto y = core(x2);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias: expected ", n, " values, got ", bias->numel());
-    y.add_(bias->reshape({n}));
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) TORCH_CHECK(bias->numel() == n, "bias: expected ", n, " values, got ", bias->numel());
+  const auto xc = x.contiguous();
+  const int64_t M = k ? xc.numel() / k : 0;
+  torch::Tensor x2;
+  if (x.scalar_type() == torch::kFloat32 && padded_k == k) {
+    x2 = xc.view({M, k});
+  } else {
+    x2 = torch::empty({M, padded_k}, x.options().dtype(torch::kFloat32));
+    dispatch_float(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      widen_rows(xc.template data_ptr<T>(), x2.data_ptr<float>(), M, k, padded_k);
+    });
   }
+  const torch::Tensor y = core(x2).contiguous();
+  torch::Tensor b;
+  if (has_bias) b = bias->reshape({n}).to(torch::kFloat32).contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = n;
-  return y.to(x.scalar_type()).view(sizes);
+  torch::Tensor out = x.scalar_type() == torch::kFloat32 ? y : torch::empty({M, n}, x.options());
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    if (std::is_same<T, float>::value && !has_bias) return;
+    narrow_rows(y.data_ptr<float>(), has_bias ? b.data_ptr<float>() : nullptr, out.template data_ptr<T>(), M, n);
+  });
+  return out.view(sizes);
 }
 
 }  // namespace
