@@ -159,6 +159,13 @@ def test_cpp_search_chooses_as_the_torch_search(shape, g, dtype, monkeypatch):
         assert torch.equal(getattr(fast, name), getattr(slow, name)), name
 
 
+def test_quantizes_a_strided_weight():
+    """A column slice of a wider float32 matrix (not contiguous) quantizes as its copy does."""
+    wide = torch.randn(32, 256)
+    q = Int4DQTensor.from_float(wide[:, :128])
+    assert torch.equal(q.dequantize(), Int4DQTensor.from_float(wide[:, :128].contiguous()).dequantize())
+
+
 def _fields(q):
     return {**q.tensor_fields(), **q.attributes()}
 

@@ -269,7 +269,8 @@ def _quantize_rows(w, g, tparams, d0, c0):
     if ext is not None:
         # The same search in C++ (int_cpu.cpp, int4dq_search): about 10x faster than torch ops.
         rows = torch.cat([dlo, dstep, clo, cstep], dim=1).contiguous()
-        q, a, b = ext.int4dq_search(x.reshape(n, -1), a0.to(torch.uint8), b0.to(torch.uint8), rows, g, k)
+        flat = x.reshape(n, -1).contiguous()
+        q, a, b = ext.int4dq_search(flat, a0.to(torch.uint8).contiguous(), b0.to(torch.uint8).contiguous(), rows, g, k)
     else:
         a, b, q = _search(x, mask, a0, b0, dlo, dstep, clo, cstep)
     codes = q.reshape(n, -1)[:, :k].to(torch.uint8)
