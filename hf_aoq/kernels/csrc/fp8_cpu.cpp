@@ -79,6 +79,40 @@ inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, 
     for (int i = 0; i < MB; ++i) acc[i] += xp[i * K + k] * w;
   }
 }
+
+// One activation row against four weight rows: each x load serves four rows (as int8_dot4 in
+// int_cpu.cpp), eight independent FMA chains. acc gets the four bit-trick-scaled dot products.
+inline void fp8_dot4(const uint8_t* r0, const float* x, int64_t K, int s, float* acc) {
+  const uint8_t* r1 = r0 + K;
+  const uint8_t* r2 = r1 + K;
+  const uint8_t* r3 = r2 + K;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
+    a0 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r0 + k, s), a0);
+    a1 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r1 + k, s), a1);
+    a2 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r2 + k, s), a2);
+    a3 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r3 + k, s), a3);
+    b0 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r0 + k + 8, s), b0);
+    b1 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r1 + k + 8, s), b1);
+    b2 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r2 + k + 8, s), b2);
+    b3 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r3 + k + 8, s), b3);
+  }
+  const __m256 sums[4] = {_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)};
+  for (int j = 0; j < 4; ++j) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(sums[j]), _mm256_extractf128_ps(sums[j], 1));
+    q = _mm_hadd_ps(q, q);
+    q = _mm_hadd_ps(q, q);
+    acc[j] = _mm_cvtss_f32(q);
+  }
+  for (; k < K; ++k) {
+    acc[0] += x[k] * code_to_scaled_float(r0[k], s);
+    acc[1] += x[k] * code_to_scaled_float(r1[k], s);
+    acc[2] += x[k] * code_to_scaled_float(r2[k], s);
+    acc[3] += x[k] * code_to_scaled_float(r3[k], s);
+  }
+}
 #endif
 
 }  // namespace
@@ -102,7 +136,17 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     DenormalsKept keep;
     constexpr int64_t MB = 4;  // activation rows per pass over a weight row
-    for (int64_t n = n0; n < n1; ++n) {
+    int64_t n = n0;
+#if defined(__AVX2__)
+    if (M == 1) {  // four weight rows at a time
+      for (; n + 4 <= n1; n += 4) {
+        float acc[4];
+        fp8_dot4(cp + n * K, xp, K, s, acc);
+        for (int j = 0; j < 4; ++j) op[n + j] = (acc[j] * half_factor) * (sp[n + j] * half_factor);
+      }
+    }
+#endif
+    for (; n < n1; ++n) {
       const uint8_t* row = cp + n * K;
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = std::min<int64_t>(MB, M - m0);
