@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("dequant_gemm.cpp", "fp8_cpu.cpp", "int_cpu.cpp", "linear_io.cpp")  # in this order: one translation unit
+SOURCES = ("simd.cpp", "dequant_gemm.cpp", "fp8_cpu.cpp", "int_cpu.cpp", "linear_io.cpp")  # in this order: one translation unit
 FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
     "int4pack_linear_io", "int8_linear_io", "fp8_linear_io", "int4_repack_avx2",

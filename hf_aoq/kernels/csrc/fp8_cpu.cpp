@@ -68,11 +68,7 @@ inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, 
   for (int i = 0; i < MB; ++i) {
     __m256 t = v[i][0];
     for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, v[i][u]);
-    __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
-    __m128 q = _mm_add_ps(lo, hi);
-    q = _mm_hadd_ps(q, q);
-    q = _mm_hadd_ps(q, q);
-    acc[i] = _mm_cvtss_f32(q);
+    acc[i] = hsum(t);
   }
   for (; k < K; ++k) {
     const float w = code_to_scaled_float(row[k], s);
@@ -80,38 +76,11 @@ inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, 
   }
 }
 
-// One activation row against four weight rows: each x load serves four rows (as int8_dot4 in
-// int_cpu.cpp), eight independent FMA chains. acc gets the four bit-trick-scaled dot products.
+// One activation row against four weight rows (dot_rows4 in simd.cpp): acc gets the four
+// bit-trick-scaled dot products.
 inline void fp8_dot4(const uint8_t* r0, const float* x, int64_t K, int s, float* acc) {
-  const uint8_t* r1 = r0 + K;
-  const uint8_t* r2 = r1 + K;
-  const uint8_t* r3 = r2 + K;
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
-    a0 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r0 + k, s), a0);
-    a1 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r1 + k, s), a1);
-    a2 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r2 + k, s), a2);
-    a3 = _mm256_fmadd_ps(xa, codes_to_scaled_floats(r3 + k, s), a3);
-    b0 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r0 + k + 8, s), b0);
-    b1 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r1 + k + 8, s), b1);
-    b2 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r2 + k + 8, s), b2);
-    b3 = _mm256_fmadd_ps(xb, codes_to_scaled_floats(r3 + k + 8, s), b3);
-  }
-  const __m256 sums[4] = {_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3)};
-  for (int j = 0; j < 4; ++j) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(sums[j]), _mm256_extractf128_ps(sums[j], 1));
-    q = _mm_hadd_ps(q, q);
-    q = _mm_hadd_ps(q, q);
-    acc[j] = _mm_cvtss_f32(q);
-  }
-  for (; k < K; ++k) {
-    acc[0] += x[k] * code_to_scaled_float(r0[k], s);
-    acc[1] += x[k] * code_to_scaled_float(r1[k], s);
-    acc[2] += x[k] * code_to_scaled_float(r2[k], s);
-    acc[3] += x[k] * code_to_scaled_float(r3[k], s);
-  }
+  dot_rows4(x, r0, K, [s](const uint8_t* p) { return codes_to_scaled_floats(p, s); },
+            [s](uint8_t c) { return code_to_scaled_float(c, s); }, acc);
 }
 #endif
 

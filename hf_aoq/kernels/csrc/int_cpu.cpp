@@ -98,8 +98,10 @@ inline void int4_group_dot(const uint8_t* blk, const float* const* xs, int64_t k
 }
 
 // One activation row: even and odd k accumulate separately, so that eight independent FMA
-// chains hide the FMA latency (four would leave the loop latency-bound).
-inline void int4_group_dot1(const uint8_t* blk, const float* x, int64_t k0, int64_t k1, float* acc_out) {
+// chains hide the FMA latency (four would leave the loop latency-bound). sums[j]: rows 8j..8j+7.
+// Always inlined: int4_block_gemv1 needs `sums` in registers (not inlined there, Int4DQ's GEMV
+// took 1.5x the time).
+__attribute__((always_inline)) inline void int4_group_sums1(const uint8_t* blk, const float* x, int64_t k0, int64_t k1, __m256* sums) {
   __m256 a[4], b[4];
   for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
   int64_t k = k0;
@@ -126,12 +128,18 @@ inline void int4_group_dot1(const uint8_t* blk, const float* x, int64_t k0, int6
     a[2] = _mm256_fmadd_ps(xa, w2, a[2]);
     a[3] = _mm256_fmadd_ps(xa, w3, a[3]);
   }
-  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc_out + 8 * j, _mm256_add_ps(a[j], b[j]));
+  for (int j = 0; j < 4; ++j) sums[j] = _mm256_add_ps(a[j], b[j]);
+}
+
+inline void int4_group_dot1(const uint8_t* blk, const float* x, int64_t k0, int64_t k1, float* acc_out) {
+  __m256 sums[4];
+  int4_group_sums1(blk, x, k0, k1, sums);
+  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc_out + 8 * j, sums[j]);
 }
 #endif
 
 #if defined(__AVX2__)
-// One activation row, one full block of 32 rows: int4_group_dot1 per group with the group's
+// One activation row, one full block of 32 rows: int4_group_sums1 per group with the group's
 // epilogue (out += s * acc + (z - offset * s) * xsum, the same operations as the general loop
 // in int4_gemv) kept in registers: no accumulator, offset or output round trips through memory,
 // which cost a quarter of the time at groups of 32.
@@ -143,39 +151,14 @@ inline void int4_block_gemv1(const uint8_t* blk, const float* x, const float* xs
   alignas(32) float s[BLOCK_N], z[BLOCK_N];
   const __m256 off = _mm256_set1_ps(P::offset);
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t k0 = g * gs, k1 = k0 + gs;
-    __m256 a[4], b[4];
-    for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
-    int64_t k = k0;
-    for (; k + 2 <= k1; k += 2) {
-      __m256 w0, w1, w2, w3, v0, v1, v2, v3;
-      codes32(blk + k * 16, w0, w1, w2, w3);
-      codes32(blk + k * 16 + 16, v0, v1, v2, v3);
-      const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
-      a[0] = _mm256_fmadd_ps(xa, w0, a[0]);
-      a[1] = _mm256_fmadd_ps(xa, w1, a[1]);
-      a[2] = _mm256_fmadd_ps(xa, w2, a[2]);
-      a[3] = _mm256_fmadd_ps(xa, w3, a[3]);
-      b[0] = _mm256_fmadd_ps(xb, v0, b[0]);
-      b[1] = _mm256_fmadd_ps(xb, v1, b[1]);
-      b[2] = _mm256_fmadd_ps(xb, v2, b[2]);
-      b[3] = _mm256_fmadd_ps(xb, v3, b[3]);
-    }
-    for (; k < k1; ++k) {
-      __m256 w0, w1, w2, w3;
-      codes32(blk + k * 16, w0, w1, w2, w3);
-      const __m256 xa = _mm256_broadcast_ss(x + k);
-      a[0] = _mm256_fmadd_ps(xa, w0, a[0]);
-      a[1] = _mm256_fmadd_ps(xa, w1, a[1]);
-      a[2] = _mm256_fmadd_ps(xa, w2, a[2]);
-      a[3] = _mm256_fmadd_ps(xa, w3, a[3]);
-    }
+    __m256 sums[4];
+    int4_group_sums1(blk, x, g * gs, (g + 1) * gs, sums);
     params(g, n0, BLOCK_N, s, z);
     const __m256 xv = _mm256_set1_ps(xsum[g]);
     for (int j = 0; j < 4; ++j) {
       const __m256 sv = _mm256_load_ps(s + 8 * j);
       const __m256 zc = _mm256_sub_ps(_mm256_load_ps(z + 8 * j), _mm256_mul_ps(off, sv));
-      const __m256 t = _mm256_add_ps(_mm256_mul_ps(sv, _mm256_add_ps(a[j], b[j])), _mm256_mul_ps(zc, xv));
+      const __m256 t = _mm256_add_ps(_mm256_mul_ps(sv, sums[j]), _mm256_mul_ps(zc, xv));
       o[j] = _mm256_add_ps(o[j], t);
     }
   }
@@ -334,49 +317,13 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
 namespace {
 
 #if defined(__AVX2__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-#if defined(__AVX2__)
 inline __m256 int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// One activation row against weight rows n..n+3: each x vector is loaded once for four rows, and
-// eight independent FMA chains (two per row) hide the FMA latency. Returns the four dot products.
+// One activation row against weight rows n..n+3 (dot_rows4 in simd.cpp).
 inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, float* out) {
-  const int8_t* r0 = q + n * K;
-  const int8_t* r1 = r0 + K;
-  const int8_t* r2 = r1 + K;
-  const int8_t* r3 = r2 + K;
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
-    a0 = _mm256_fmadd_ps(xa, int8x8(r0 + k), a0);
-    a1 = _mm256_fmadd_ps(xa, int8x8(r1 + k), a1);
-    a2 = _mm256_fmadd_ps(xa, int8x8(r2 + k), a2);
-    a3 = _mm256_fmadd_ps(xa, int8x8(r3 + k), a3);
-    b0 = _mm256_fmadd_ps(xb, int8x8(r0 + k + 8), b0);
-    b1 = _mm256_fmadd_ps(xb, int8x8(r1 + k + 8), b1);
-    b2 = _mm256_fmadd_ps(xb, int8x8(r2 + k + 8), b2);
-    b3 = _mm256_fmadd_ps(xb, int8x8(r3 + k + 8), b3);
-  }
-  out[0] = hsum(_mm256_add_ps(a0, b0));
-  out[1] = hsum(_mm256_add_ps(a1, b1));
-  out[2] = hsum(_mm256_add_ps(a2, b2));
-  out[3] = hsum(_mm256_add_ps(a3, b3));
-  for (; k < K; ++k) {
-    out[0] += x[k] * float(r0[k]);
-    out[1] += x[k] * float(r1[k]);
-    out[2] += x[k] * float(r2[k]);
-    out[3] += x[k] * float(r3[k]);
-  }
+  dot_rows4(x, q + n * K, K, [](const int8_t* p) { return int8x8(p); }, [](int8_t c) { return float(c); }, out);
 }
 #endif
 
