@@ -29,7 +29,7 @@ aten = torch.ops.aten
 
 def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     """(name, zero-argument callable) pairs for an [m, k] activation and an [n, k] weight."""
-    from hf_aoq import Float8Tensor, Int4Tensor, Int8Tensor
+    from hf_aoq import Float8Tensor, Int4Tensor, Int8Tensor, kernels
     from hf_aoq.kernels import cpu, cpu_ext
 
     torch.manual_seed(0)
@@ -39,15 +39,19 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     x_bf16, x_fp32 = x.to(torch.bfloat16), x.float()
     out = [("dense bf16", lambda: F.linear(x_bf16, w_bf16)), ("dense fp32", lambda: F.linear(x_fp32, w_fp32))]
 
-    q4 = Int4Tensor.from_float(w.to(dtype), 128).place()
-    if q4.packing == "cpu_int4pack":
-        sz = q4.scale
+    canonical4 = Int4Tensor.from_float(w.to(dtype), 128)
+    if cpu.HAS_INT4_CPU:  # aten's kernel on aten's packing (the fallback without hf_aoq's extension)
+        a4 = kernels.get_packing("cpu_int4pack").pack(canonical4)
         out.append(("aten int4pack " + str(dtype)[6:],
-                    lambda: aten._weight_int4pack_mm_for_cpu(x, q4.qdata, 128, sz)))
+                    lambda: aten._weight_int4pack_mm_for_cpu(x, a4.qdata, 128, a4.scale)))
+    q4 = canonical4.place()
     ext = cpu_ext.load()
-    if q4.packing == "cpu_int4pack" and ext is not None and hasattr(ext, "int4pack_linear"):
-        out.append(("hf_aoq ext int4 (gemv)", lambda: ext.int4pack_linear(x_fp32, q4.qdata, sz, 128, 1 << 30).to(dtype)))
-        out.append(("hf_aoq ext int4 (dequant+gemm)", lambda: ext.int4pack_linear(x_fp32, q4.qdata, sz, 128, 0).to(dtype)))
+    half = dtype != torch.float32  # the GEMVs take int16 activation codes for half-precision activations
+    if q4.packing == "cpu_int4_pairs":
+        out.append(("hf_aoq ext int4 (gemv)",
+                    lambda: ext.int4pack_linear(x_fp32, q4.qdata, q4.scale, 128, 1 << 30, half).to(dtype)))
+        out.append(("hf_aoq ext int4 (dequant+gemm)",
+                    lambda: ext.int4pack_linear(x_fp32, q4.qdata, q4.scale, 128, 0, half).to(dtype)))
     out.append(("hf_aoq int4 F.linear", lambda: F.linear(x, q4)))
 
     q8 = Int8Tensor.from_float(w.to(dtype))
@@ -56,8 +60,8 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
         out.append(("aten int8pack " + str(dtype)[6:], lambda: aten._weight_int8pack_mm(x, q8.qdata, s8)))
     if ext is not None and hasattr(ext, "int8_linear"):
         s8f = q8.scale.reshape(-1).float().contiguous()
-        out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30).to(dtype)))
-        out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0).to(dtype)))
+        out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30, half).to(dtype)))
+        out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0, half).to(dtype)))
     out.append(("hf_aoq int8 F.linear", lambda: F.linear(x, q8)))
     q8d = Int8Tensor.from_float(w.to(dtype), act_quant="per_token")
     out.append(("hf_aoq int8dyn F.linear", lambda: F.linear(x, q8d)))

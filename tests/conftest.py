@@ -11,6 +11,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def cpu_int4_packing() -> str:
+    """The packing `place()` gives an Int4Tensor on this CPU: hf_aoq's pairs layout where its
+    extension builds, aten's int4pack layout otherwise."""
+    from hf_aoq.kernels import cpu_ext
+
+    return "cpu_int4_pairs" if cpu_ext.available() else "cpu_int4pack"
+
+
+def int16_activation_linear(x: torch.Tensor, w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the CPU int4 and int8 kernels' integer GEMVs compute for float32 activations x [M, K]
+    and the dequantized weight w [N, K], in float64, from the definition: each group of g
+    activations (the last may be partial) becomes int16 codes round(x * (32767 / max|x|)) (float32
+    arithmetic), standing for code * max|x| / 32767. Returns (y, bound): the product with those
+    values, and per output the most they can move it from x @ w.T, half a step per activation
+    times |w|."""
+    m, k = x.shape
+    padded = -(-k // g) * g
+    w = torch.nn.functional.pad(w, (0, padded - k))
+    xg = torch.nn.functional.pad(x.float(), (0, padded - k)).reshape(m, padded // g, g)
+    mx = xg.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(mx, 32767) / mx  # a true division, as the kernel (32767 / mx would multiply by 1 / mx)
+    codes = torch.where(mx > 0, torch.round(xg * inv).clamp(-32767, 32767), torch.zeros_like(xg))
+    step = (mx / 32767).double()
+    xhat = (codes.double() * step).reshape(m, padded)
+    half_steps = (step / 2).expand(m, padded // g, g).reshape(m, padded)
+    return xhat @ w.double().t(), half_steps @ w.double().abs().t()
+
+
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB; inf when identical."""
     ref = reference.detach().float()

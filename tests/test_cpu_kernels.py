@@ -7,9 +7,8 @@ import torch.nn.functional as F
 from hf_aoq import Int4Tensor, Int8Tensor, kernels
 from hf_aoq.kernels import cpu, cpu_ext
 
-from conftest import sqnr
+from conftest import int16_activation_linear, sqnr
 
-needs_int4_ext = pytest.mark.skipif(not cpu.int4_ext_ready(), reason="hf_aoq's CPU int4 kernel does not apply here")
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
 
 
@@ -17,8 +16,8 @@ def rel_err(expected, got):
     return float((expected.float() - got.float()).norm() / expected.float().norm())
 
 
-def test_avx2_layout_model_matches_aten_where_the_kernel_applies():
-    if not cpu.int4_ext_ready():
+def test_avx2_layout_model_matches_aten_where_it_applies():
+    if not cpu._int4_layout_matches():
         pytest.skip("this torch does not pack int4 in the AVX2 layout")
     # Two full 32-row blocks and a 16-row tail, several groups.
     codes = torch.randint(0, 16, (80, 256), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
@@ -32,7 +31,7 @@ def test_avx2_layout_model_matches_aten_where_the_kernel_applies():
 ROWS = [1, 2, 3, cpu.INT4_GEMV_MAX_ROWS, cpu.INT4_GEMV_MAX_ROWS + 1, 130]
 
 
-@needs_int4_ext
+@needs_ext
 @pytest.mark.parametrize("n,k,g", [(64, 256, 32), (80, 384, 128), (48, 512, 256), (16, 128, 64)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int4_kernel_float32_matches_reference(n, k, g, scale_dtype):
@@ -40,7 +39,7 @@ def test_int4_kernel_float32_matches_reference(n, k, g, scale_dtype):
     float32 summation order, on both paths, with 32-row blocks and a 16-row tail."""
     torch.manual_seed(0)
     q = Int4Tensor.from_float(torch.randn(n, k, dtype=scale_dtype), g).place()
-    assert q.packing == "cpu_int4pack"
+    assert q.packing == "cpu_int4_pairs"
     w = q.dequantize(torch.float32)
     kernel = next(kn for kn in kernels.kernels_for("linear", "Int4Tensor") if kn.name == "cpu_int4_ext")
     bias = torch.randn(n)
@@ -51,7 +50,45 @@ def test_int4_kernel_float32_matches_reference(n, k, g, scale_dtype):
         assert rel_err(expected, kernel.fn(x, q, bias)) < 1e-5, m
 
 
-@needs_int4_ext
+@needs_ext
+@pytest.mark.parametrize("n,k,g", [(64, 256, 32), (80, 384, 128), (48, 512, 256), (16, 128, 64)])
+def test_int4_gemv_through_int16_activation_codes(n, k, g):
+    """Half-precision activations at few rows: the kernel computes with int16 activation codes
+    (int_cpu.cpp), on 32-row blocks (vector code) and 16-row ones (scalar code), one row and row
+    pairs. It gives what the definition gives, up to float32 rounding, and stays within the stated
+    tolerance of the exact product: half a code step per activation times |w|."""
+    torch.manual_seed(0)
+    q = Int4Tensor.from_float(torch.randn(n, k), g).place()
+    w = q.dequantize(torch.float32)
+    for m in (1, 2, 3, 5, cpu.INT4_GEMV_MAX_ROWS):
+        x = torch.randn(m, k).bfloat16().float()
+        x[0, :g] *= 100  # an outlier group: the steps are per group, the other groups keep theirs
+        got = cpu.int4pack_linear_cpu(x, q.qdata, q.scale, g, True)
+        expected, bound = int16_activation_linear(x, w, g)
+        assert rel_err(expected, got) < 1e-6, m
+        exact = x.double() @ w.double().t()
+        assert ((got - exact).abs() <= bound + 1e-6 * exact.abs().max()).all(), m
+        # Float32 activations take the float32 GEMV: closer than the int16 codes allow.
+        assert rel_err(exact, cpu.int4pack_linear_cpu(x, q.qdata, q.scale, g, False)) < 1e-6 < rel_err(exact, got), m
+
+
+@needs_ext
+def test_int4_gemv_int16_path_keeps_non_finite_inputs_non_finite():
+    """A NaN or inf among the activations cannot become a code: that row's outputs are NaN, as
+    the reference's would be non-finite, and the other rows are untouched."""
+    torch.manual_seed(0)
+    for n in (32, 16):  # vector and scalar code
+        q = Int4Tensor.from_float(torch.randn(n, 128), 32).place()
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            x = torch.randn(3, 128)
+            x[1, 40] = bad
+            got = cpu.int4pack_linear_cpu(x, q.qdata, q.scale, 32, True)
+            assert got[1].isnan().all() and torch.isfinite(got[[0, 2]]).all(), (n, bad)
+            clean = cpu.int4pack_linear_cpu(x[[0, 2]], q.qdata, q.scale, 32, True)
+            assert torch.equal(got[[0, 2]], clean)
+
+
+@needs_ext
 def test_int4_gemm_path_dequantizes_exactly_as_the_reference():
     """Fed the identity, the many-rows path returns its float32 dequantized weight: bit for bit
     the reference's (a separate multiply and add, no FMA contraction)."""
@@ -59,11 +96,12 @@ def test_int4_gemm_path_dequantizes_exactly_as_the_reference():
     for dtype in (torch.float32, torch.bfloat16):
         q = Int4Tensor.from_float(torch.randn(48, 256, dtype=dtype), 64).place()
         eye = torch.eye(256)
-        got = cpu.int4pack_linear_cpu(eye, q.qdata, q.scale, 64)
-        assert torch.equal(got.t(), q.dequantize(torch.float32))
+        for int16_activations in (False, True):  # many rows: float32 whatever the activations were
+            got = cpu.int4pack_linear_cpu(eye, q.qdata, q.scale, 64, int16_activations)
+            assert torch.equal(got.t(), q.dequantize(torch.float32))
 
 
-@needs_int4_ext
+@needs_ext
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_kernel_half_activations(dtype):
     torch.manual_seed(0)
@@ -93,6 +131,33 @@ def test_int8_kernel_matches_reference(k, act_quant, n):
         assert rel_err(reference.fn(x, q, bias), kernel.fn(x, q, bias)) < 1e-5, m
         xb = x.bfloat16()
         assert sqnr(reference.fn(xb, q, bias.bfloat16()), kernel.fn(xb, q, bias.bfloat16())) > 40, m
+
+
+@needs_ext
+@pytest.mark.parametrize("k", [100, 256, 1000])  # partial activation groups (of 128) and column tails
+@pytest.mark.parametrize("n", [40, 42])  # four weight rows at a time, and a tail
+def test_int8_gemv_through_int16_activation_codes(k, n):
+    """Half-precision activations at few rows: int16 activation codes per group of 128 columns,
+    exact int32 sums. The result is the definition's up to float32 rounding, and within the
+    stated tolerance of the exact product; float32 activations keep the float32 GEMV."""
+    torch.manual_seed(0)
+    q = Int8Tensor.from_float(torch.randn(n, k))
+    w = q.dequantize(torch.float32)
+    scale = q.scale.reshape(-1).float().contiguous()
+    for m in (1, 2, 3, cpu.INT8_GEMV_MAX_ROWS):
+        x = torch.randn(m, k).bfloat16().float()
+        x[0, :50] *= 100  # an outlier group
+        got = cpu.int8_linear_cpu(x, q.qdata, scale, True)
+        expected, bound = int16_activation_linear(x, w, 128)
+        assert rel_err(expected, got) < 1e-6, m
+        exact = x.double() @ w.double().t()
+        assert ((got - exact).abs() <= bound + 1e-6 * exact.abs().max()).all(), m
+        assert rel_err(exact, cpu.int8_linear_cpu(x, q.qdata, scale, False)) < 1e-6 < rel_err(exact, got), m
+        # A non-finite activation makes its row NaN and leaves the others alone.
+        bad = x.clone()
+        bad[-1, 7] = float("inf")
+        got_bad = cpu.int8_linear_cpu(bad, q.qdata, scale, True)
+        assert got_bad[-1].isnan().all() and torch.equal(got_bad[:-1], got[:-1]), m
 
 
 @needs_ext
@@ -165,7 +230,7 @@ def test_avx2_unpack_inverts_the_packing():
         assert torch.equal(cpu.avx2_int4unpack_codes(packed, n, 64), codes)
 
 
-@needs_int4_ext
+@needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_one_call_eager_path_equals_the_composed_ops(dtype, with_bias, monkeypatch):
@@ -190,7 +255,33 @@ def test_one_call_eager_path_equals_the_composed_ops(dtype, with_bias, monkeypat
             assert torch.equal(eager, composed), (name, shape)
 
 
-@needs_int4_ext
+def test_pairs_unpack_inverts_the_packing():
+    for n in (16, 32, 48, 80):
+        codes = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+        packed = cpu.pairs_int4pack_bytes(codes)
+        assert packed.numel() == n * 32
+        assert torch.equal(cpu.pairs_int4unpack_codes(packed, n, 64), codes)
+
+
+def test_pairs_layout_puts_each_code_where_the_kernels_read_it():
+    """The layout from its definition, code by code: in a block of R rows and column pair j, the
+    16-bit word 2i + p holds column 2j + p, with row R/4 * t + i in nibble t."""
+    n, k = 48, 6  # a 32-row block and a 16-row one, three column pairs
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    words = cpu.pairs_int4pack_bytes(codes).view(torch.int16).to(torch.int32) & 0xFFFF
+    at = 0
+    for n0, rows in ((0, 32), (32, 16)):
+        lanes = rows // 4
+        for j in range(k // 2):
+            for w in range(rows // 2):
+                i, p = divmod(w, 2)
+                for t in range(4):
+                    assert (int(words[at]) >> (4 * t)) & 15 == int(codes[n0 + lanes * t + i, 2 * j + p])
+                at += 1
+    assert at == words.numel()
+
+
+@needs_ext
 @pytest.mark.parametrize("n,k,g", [(64, 256, 32), (48, 576, 128), (16, 130, 64)])
 def test_repacking_from_canonical_bytes_matches_the_torch_packing(n, k, g):
     """Placing an int4 weight repacks its canonical bytes in C++; the bytes must be those of
@@ -202,16 +293,16 @@ def test_repacking_from_canonical_bytes_matches_the_torch_packing(n, k, g):
     torch.manual_seed(0)
     q = Int4Tensor.from_float(torch.randn(n, k), g)
     padded_k = int4_padded_k(q)
-    expected = cpu.avx2_int4pack_bytes(pad_int4_codes(unpack_int4(q.qdata), padded_k))
-    got = cpu_ext.load().int4_repack_avx2(q.qdata, padded_k)
+    expected = cpu.pairs_int4pack_bytes(pad_int4_codes(unpack_int4(q.qdata), padded_k))
+    got = cpu_ext.load().int4_repack_pairs(q.qdata, padded_k)
     assert got.shape == (n, padded_k // 2) and torch.equal(got.reshape(-1), expected)
     placed = q.place()
-    assert placed.packing == "cpu_int4pack" and torch.equal(placed.qdata, got)
+    assert placed.packing == "cpu_int4_pairs" and torch.equal(placed.qdata, got)
     back = placed.to_canonical()
     assert torch.equal(back.qdata, q.qdata) and torch.equal(back.scale, q.scale) and torch.equal(back.zero, q.zero)
 
 
-@needs_int4_ext
+@needs_ext
 @pytest.mark.parametrize("kind", ["int4", "int4dq", "int8", "fp8"])
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_many_rows_path_over_many_chunks_and_threads(kind, mode):

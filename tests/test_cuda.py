@@ -14,7 +14,7 @@ from hf_aoq import (
     kernels,
 )
 
-from conftest import sqnr
+from conftest import cpu_int4_packing, sqnr
 
 pytestmark = pytest.mark.cuda
 
@@ -54,7 +54,7 @@ def test_tinygemm_packing_roundtrip_is_exact_and_portable():
     on_gpu = canonical.place().to("cuda")  # CPU-packed -> CUDA-packed
     assert on_gpu.packing == "cuda_tinygemm"
     back = on_gpu.to("cpu")
-    assert back.packing == "cpu_int4pack"
+    assert back.packing == cpu_int4_packing()
     for name, t in canonical.tensor_fields().items():
         assert torch.equal(t, getattr(on_gpu.to_canonical(), name).cpu()), name
         assert torch.equal(t, getattr(back.to_canonical(), name)), name

@@ -74,7 +74,7 @@ def test_decoding_follows_the_format():
     assert int4dq.LUT[0] == 1 and int4dq.LUT.dtype == torch.float32
 
 
-@pytest.mark.skipif(not cpu.int4_ext_ready(), reason="hf_aoq's CPU int4 kernel does not apply here")
+@pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
 def test_the_kernels_decode_rows_as_python_does():
     tparams = torch.tensor([0.0421, 1.7e-3])
     codes = torch.arange(256, dtype=torch.uint8)
@@ -91,7 +91,7 @@ def test_placed_linear_matches_the_reference(dtype, n, k, g):
     q = Int4DQTensor.from_float(w, g)
     placed = q.place()
     reference = kernels.kernels_for("linear", "Int4DQTensor")[-1]
-    if cpu.int4_ext_ready():
+    if cpu_ext.available():
         assert placed.packing == "cpu_int4dq"
     back = placed.to_canonical()
     for name, t in q.tensor_fields().items():

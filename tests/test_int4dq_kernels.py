@@ -12,15 +12,17 @@ format written here from its definition:
     dstep = (dhi - dlo) / 15, cstep = (chi - clo) / 15
     d = dlo + a * dstep, c = clo + b * cstep, w = (q - 7.5) * d + c   (float32, no fused ops)
 
-The kernels read the codes in aten's AVX2 int4pack layout (int4_repack_avx2 of the canonical
+The kernels read the codes in hf_aoq's pairs layout (int4_repack_pairs of the canonical
 bytes, padded to whole groups) and the group bytes transposed ([G, N])."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq.kernels import cpu, cpu_ext
+from hf_aoq.kernels import cpu_ext
 
-pytestmark = pytest.mark.skipif(not cpu.int4_ext_ready(), reason="hf_aoq's CPU int4 kernels do not apply here")
+from conftest import int16_activation_linear
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
 
 GEMV_MAX_ROWS = 48  # the int4 kernels' crossover (cpu.INT4_GEMV_MAX_ROWS); any value works here
 
@@ -102,9 +104,9 @@ def random_fields(n: int, k: int, g: int, seed: int = 0):
 
 
 def kernel_fields(qdata, gparams, g: int):
-    """What the kernels take: AVX2-packed codes padded to whole groups, gparams transposed."""
+    """What the kernels take: codes in the pairs layout padded to whole groups, gparams transposed."""
     padded_k = gparams.shape[1] * g
-    packed = cpu_ext.load().int4_repack_avx2(qdata, padded_k)
+    packed = cpu_ext.load().int4_repack_pairs(qdata, padded_k)
     return packed, gparams.t().contiguous(), padded_k
 
 
@@ -143,7 +145,7 @@ def test_many_rows_path_dequantizes_exactly(n, k, g):
     qdata, gparams, rparams, tparams = random_fields(n, k, g)
     packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
     eye = torch.eye(padded_k)
-    got = cpu_ext.load().int4dq_linear(eye, packed, gparams_t, rparams, tparams, g, 0)
+    got = cpu_ext.load().int4dq_linear(eye, packed, gparams_t, rparams, tparams, g, 0, False)
     assert got.shape == (padded_k, n)
     assert torch.equal(got.t()[:, :k], ref_dequantize(qdata, gparams, rparams, tparams, k, g))
 
@@ -158,9 +160,18 @@ def test_linear_both_paths_match_reference(n, k, g):
     for m in (1, 2, 3, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 70):
         x = torch.randn(m, k)
         xp = F.pad(x, (0, padded_k - k))
-        got = ext.int4dq_linear(xp, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS)
+        got = ext.int4dq_linear(xp, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, False)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         assert rel_err(x @ w.t(), got) < 1e-5, m
+        # Half-precision activations: int16 codes at few rows (see test_cpu_kernels.py).
+        got16 = ext.int4dq_linear(xp, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, True)
+        if m > GEMV_MAX_ROWS:
+            assert torch.equal(got16, got), m
+            continue
+        expected, bound = int16_activation_linear(xp, F.pad(w, (0, padded_k - k)), g)
+        exact = (x.double() @ w.double().t())
+        assert rel_err(expected, got16) < 1e-6, m
+        assert ((got16 - exact).abs() <= bound + 1e-6 * exact.abs().max()).all(), m
 
 
 def test_many_rows_path_over_several_chunks():
@@ -174,7 +185,7 @@ def test_many_rows_path_over_several_chunks():
     ext = cpu_ext.load()
     for m in (2, 60):
         x = torch.randn(m, k)
-        got = ext.int4dq_linear(x, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS)
+        got = ext.int4dq_linear(x, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, False)
         assert rel_err(x @ w.t(), got) < 1e-5, m
 
 
@@ -193,7 +204,7 @@ def test_one_call_entry_point_equals_the_composed_ops(n, k, g, dtype, with_bias)
         x = torch.randn(*shape, dtype=dtype)
         eager = ext.int4dq_linear_io(x, packed, gparams_t, rparams, tparams, g, k, bias, GEMV_MAX_ROWS)
         x2 = F.pad(x.reshape(-1, k).float(), (0, padded_k - k))
-        y = ext.int4dq_linear(x2, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS)
+        y = ext.int4dq_linear(x2, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, dtype != torch.float32)
         if bias is not None:
             y = y + bias.float()
         composed = y.to(dtype).reshape(*shape[:-1], n)

@@ -23,7 +23,7 @@ from hf_aoq import (
     quantize_,
 )
 
-from conftest import sqnr
+from conftest import cpu_int4_packing, sqnr
 
 
 class Block(nn.Module):
@@ -197,7 +197,7 @@ def test_module_to_dtype_and_back():
         out_bf16 = model(IDS)
         model.to(torch.float32)
         w = model.layers[0].up.weight
-        assert isinstance(w, Int4Tensor) and w.dtype == torch.float32 and w.packing == "cpu_int4pack"
+        assert isinstance(w, Int4Tensor) and w.dtype == torch.float32 and w.packing == cpu_int4_packing()
         out_f32 = model(IDS)
     assert out_f32.dtype == torch.float32
     assert sqnr(out_f32, out_bf16) > 30

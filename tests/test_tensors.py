@@ -18,7 +18,7 @@ from hf_aoq import (
     kernels,
 )
 
-from conftest import sqnr
+from conftest import cpu_int4_packing, sqnr
 
 # Weight SQNR floors on N(0, 1) weights (seeded), in dB: the measured values less about 1 dB,
 # so a regression in parameter choice fails. Uniform quantization gains ~6 dB per bit.
@@ -86,11 +86,10 @@ def test_linear_against_float_and_every_kernel_against_reference(config, floor, 
 def test_cpu_picks_fast_kernels():
     w = torch.randn(64, 256, dtype=torch.bfloat16)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
-    # hf_aoq's own int4/int8 kernels where its extension builds (and, for int4, this torch
-    # packs in the AVX2 layout they read); aten's otherwise.
-    from hf_aoq.kernels import cpu, cpu_ext
+    # hf_aoq's own int4/int8 kernels where its extension builds; aten's otherwise.
+    from hf_aoq.kernels import cpu_ext
 
-    int4 = "cpu_int4_ext" if cpu.int4_ext_ready() else "cpu_int4pack_mm"
+    int4 = "cpu_int4_ext" if cpu_ext.available() else "cpu_int4pack_mm"
     int8 = "cpu_int8_ext" if cpu_ext.available() else "cpu_int8pack_mm"
     picks = {
         "Int4": (Int4WeightOnlyConfig(64), int4),
@@ -111,13 +110,16 @@ def test_int4_cpu_packing_roundtrip_is_exact():
     torch.manual_seed(0)
     for shape, g, sym in [((64, 256), 32, False), ((48, 128), 128, True), ((16, 512), 256, False)]:
         canonical = Int4Tensor.from_float(torch.randn(*shape, dtype=torch.bfloat16), g, sym)
-        packed = canonical.place()
-        assert packed.packing == "cpu_int4pack"
-        back = packed.to_canonical()
-        assert back.packing is None
-        for name, t in canonical.tensor_fields().items():
-            assert torch.equal(t, getattr(back, name)), name
-        assert torch.equal(packed.dequantize(), canonical.dequantize())
+        assert canonical.place().packing == cpu_int4_packing()
+        # Both CPU packings, whichever place() picks: aten's is the fallback without the extension.
+        for packing in {cpu_int4_packing(), "cpu_int4pack"}:
+            packed = kernels.get_packing(packing).pack(canonical)
+            assert packed.packing == packing
+            back = packed.to_canonical()
+            assert back.packing is None
+            for name, t in canonical.tensor_fields().items():
+                assert torch.equal(t, getattr(back, name)), (packing, name)
+            assert torch.equal(packed.dequantize(), canonical.dequantize())
 
 
 @pytest.mark.parametrize("k,g", [(576, 128), (96, 64), (48, 128), (320, 256)])
@@ -138,20 +140,23 @@ def test_int4_partial_last_group(k, g, symmetric):
     assert torch.equal(full[:, tail:], alone.dequantize())
     assert torch.equal(q[:, tail:].dequantize(), full[:, tail:])
     placed = q.place()
-    assert placed.packing == "cpu_int4pack"
-    back = placed.to_canonical()
-    for name, t in q.tensor_fields().items():
-        assert torch.equal(t, getattr(back, name)), name
+    assert placed.packing == cpu_int4_packing()
+    # aten's packing and kernel too: the fallback where hf_aoq's extension does not build.
+    aten_packed = kernels.get_packing("cpu_int4pack").pack(q)
+    for p in (placed, aten_packed):
+        back = p.to_canonical()
+        for name, t in q.tensor_fields().items():
+            assert torch.equal(t, getattr(back, name)), (p.packing, name)
     for shape in [(1, k), (3, 5, k)]:
         x = torch.randn(*shape, dtype=torch.bfloat16)
         expected = kernels.kernels_for("linear", "Int4Tensor")[-1].fn(x, q, None)
-        # Every CPU kernel for the packing (aten's, and hf_aoq's own where its extension builds).
-        fast = [kn for kn in kernels.kernels_for("linear", "Int4Tensor") if kn.backend == "cpu" and kn.applies(x, placed)]
-        assert "cpu_int4pack_mm" in [kn.name for kn in fast]
-        assert kernels.select_kernel("linear", x, placed) is fast[0]
-        for kn in fast:
-            assert sqnr(expected, kn.fn(x, placed, None)) > 40, kn.name
-        assert sqnr(expected, F.linear(x, placed)) > 40
+        for p in (placed, aten_packed):
+            # Every CPU kernel for the packing (hf_aoq's own for its pairs layout, aten's for its own).
+            fast = [kn for kn in kernels.kernels_for("linear", "Int4Tensor") if kn.backend == "cpu" and kn.applies(x, p)]
+            assert [kn.name for kn in fast] == [{"cpu_int4_pairs": "cpu_int4_ext", "cpu_int4pack": "cpu_int4pack_mm"}[p.packing]]
+            assert kernels.select_kernel("linear", x, p) is fast[0]
+            assert sqnr(expected, fast[0].fn(x, p, None)) > 40, p.packing
+            assert sqnr(expected, F.linear(x, p)) > 40
     idx = torch.tensor([0, 31, 7])
     assert torch.equal(F.embedding(idx, q), full[idx])
     with pytest.raises(AOQError, match="align with its block size"):

@@ -39,6 +39,8 @@ from hf_aoq import (
 from hf_aoq.configs import recipe_from_dict, recipe_to_dict
 from hf_aoq.integrations.transformers import AOQHfQuantizer
 
+from conftest import cpu_int4_packing
+
 VOCAB = 512
 
 
@@ -235,7 +237,7 @@ def test_per_layer_recipe_follows_fqn_to_config_precedence(llama_dir):
     assert kinds["lm_head.weight"] == "Parameter"  # transformers' default skip
     assert kinds["model.embed_tokens.weight"] == "Parameter"  # embeddings only when asked
     # Weights read only by nn.Linear are placed for this device's kernel, as quantize_ does.
-    assert model.model.layers[1].mlp.gate_proj.weight.packing == "cpu_int4pack"
+    assert model.model.layers[1].mlp.gate_proj.weight.packing == cpu_int4_packing()
     assert model.config.quantization_config == AOQConfig(RECIPE)
 
 

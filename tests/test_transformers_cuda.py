@@ -6,6 +6,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_aoq import AOQConfig, AOQTensor, FqnToConfig, Int4Tensor, Int4WeightOnlyConfig, Int8WeightOnlyConfig
 
+from conftest import cpu_int4_packing
+
 pytestmark = pytest.mark.cuda
 
 VOCAB = 512
@@ -80,7 +82,7 @@ def test_checkpoint_saved_on_cuda_reloads_on_cpu(llama_dir, ids, tmp_path):
     gpu.save_pretrained(tmp_path)
     cpu = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert {p.device.type for p in cpu.parameters()} == {"cpu"}
-    assert cpu.model.layers[0].mlp.up_proj.weight.packing == "cpu_int4pack"
+    assert cpu.model.layers[0].mlp.up_proj.weight.packing == cpu_int4_packing()
     assert_close_logits(logits(cpu, ids), expected)
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path), device_map="cuda")
     assert torch.equal(logits(again, ids), expected)

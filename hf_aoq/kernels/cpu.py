@@ -42,12 +42,7 @@ def _int4_cpu_available(w) -> bool:
 def pack_int4_for_cpu(w):
     """Canonical Int4Tensor -> qdata in aten's CPU int4 layout (padded to whole groups), scale
     as [groups, N, 2] (scale, zero)."""
-    padded_k = int4_padded_k(w)
-    if int4_ext_ready() and w.qdata.is_contiguous():
-        # The same bytes, straight from the canonical ones (csrc/int_cpu.cpp; 10x faster).
-        qdata = cpu_ext.load().int4_repack_avx2(w.qdata, padded_k)
-    else:
-        qdata = _int4pack_codes(pad_int4_codes(unpack_int4(w.qdata), padded_k))
+    qdata = _int4pack_codes(pad_int4_codes(unpack_int4(w.qdata), int4_padded_k(w)))
     return w.replace(qdata=qdata, scale=scale_and_zero(w), packing="cpu_int4pack")
 
 
@@ -81,14 +76,6 @@ def int4_cpu_linear(x, w, bias):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-# hf_aoq's own int4 kernel (csrc/int_cpu.cpp) reads the bytes of the cpu_int4pack packing and
-# computes in float32: a GEMV that streams the weight at few rows (about 2x aten's bf16 kernel
-# at batch 1, 30x its float32 kernel), a chunked dequantize + float32 GEMM at many rows (about
-# 2x aten's bf16 kernel at 256 rows). It knows aten's AVX2 layout only, so it applies where this
-# torch writes that layout, which a small probe checks once.
-INT4_GEMV_MAX_ROWS = 48  # measured crossover with dequantize + GEMM, 2048x5632, one thread
-
-
 def avx2_int4pack_bytes(codes: torch.Tensor) -> torch.Tensor:
     """aten's AVX2 CPU int4 layout of [N, K] codes (N a multiple of 16), as flat uint8: per 32
     rows and per k, 16 bytes with row d in the low and row 16 + d in the high nibble; a last
@@ -116,12 +103,6 @@ def avx2_int4unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-@torch._dynamo.assume_constant_result
-def int4_ext_ready() -> bool:
-    """The extension is built and this torch packs int4 for the CPU in the layout it reads."""
-    return _int4_layout_matches() and cpu_ext.available()
-
-
 @functools.lru_cache(maxsize=None)
 def _int4_layout_matches() -> bool:
     if not HAS_INT4_CPU:
@@ -134,32 +115,105 @@ def _int4_layout_matches() -> bool:
     return packed.dtype == torch.uint8 and torch.equal(packed.contiguous().reshape(-1), avx2_int4pack_bytes(codes))
 
 
+# hf_aoq's own int4 kernel (csrc/int_cpu.cpp) reads its own "pairs" layout: per block of 32
+# rows (a last one may have 16) and per column pair, the two columns' codes of a row share one
+# 32-bit lane, which is what an integer multiply-add over column pairs needs. It computes in
+# float32, or through int16 activation codes for half-precision activations at few rows (see
+# int_cpu.cpp): a GEMV that streams the weight at few rows (about 4x aten's bf16 kernel at batch
+# 1), a chunked dequantize + float32 GEMM at many rows (about 2x aten's bf16 kernel at 256 rows).
+INT4_GEMV_MAX_ROWS = 48  # measured crossover with dequantize + GEMM, 2048x5632, one thread
+
+
+def _pairs_blocks(n: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each block of the pairs layout: 32 rows, a last one of 16."""
+    return [(n0, min(32, n - n0)) for n0 in range(0, n, 32)]
+
+
+def pairs_int4pack_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """The pairs layout of [N, K] codes (N a multiple of 16, K even), as flat uint8: per block of
+    R rows (32, a last one of 16) and per column pair j, R bytes; as 16-bit words, word 2i + p
+    (i < R/4) holds column 2j + p, with the code of row R/4 * t + i in nibble t. The torch model of
+    csrc's int4_repack_pairs, and the inverse of `pairs_int4unpack_codes`."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    parts = []
+    for n0, rows in _pairs_blocks(n):
+        lanes = rows // 4
+        b = c[n0:n0 + rows].reshape(2, 2, lanes, k // 2, 2)  # [h, nibble, i, j, p]
+        b = b[:, 0] | (b[:, 1] << 4)  # [h, i, j, p]
+        parts.append(b.permute(2, 1, 3, 0).reshape(-1))  # [j, i, p, h]
+    return torch.cat(parts)
+
+
+def pairs_int4unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """uint8 codes [n, k] from bytes in the pairs layout (any shape): undoes `pairs_int4pack_bytes`."""
+    flat = packed.contiguous().view(torch.uint8).reshape(-1)
+    parts = []
+    for n0, rows in _pairs_blocks(n):
+        lanes = rows // 4
+        b = flat[n0 * k // 2:(n0 + rows) * k // 2].view(k // 2, lanes, 2, 2)  # [j, i, p, h]
+        b = torch.stack([b & 15, b >> 4], dim=-1)  # [j, i, p, h, nibble]
+        parts.append(b.permute(3, 4, 1, 0, 2).reshape(rows, k))  # [h, nibble, i, j, p]
+    return torch.cat(parts)
+
+
+def _int4_pairs_available(w) -> bool:
+    return w.block_size[-1] in INT4_GROUP_SIZES and w.shape[0] % 16 == 0 and cpu_ext.available()
+
+
+def pack_int4_pairs(w):
+    """Canonical Int4Tensor -> qdata in the pairs layout (padded to whole groups with code 8),
+    scale as [groups, N, 2] (scale, zero)."""
+    qdata = cpu_ext.load().int4_repack_pairs(w.qdata.contiguous(), int4_padded_k(w))
+    return w.replace(qdata=qdata, scale=scale_and_zero(w), packing="cpu_int4_pairs")
+
+
+def unpack_int4_pairs(w):
+    n, k = w.shape
+    codes = pairs_int4unpack_codes(w.qdata, n, int4_padded_k(w))[:, :k]
+    return w.replace(qdata=pack_int4(codes), scale=w.scale[..., 0].t().contiguous(), packing=None)
+
+
+register_packing(
+    Packing("cpu_int4_pairs", "Int4Tensor", "cpu", 20, _int4_pairs_available, pack_int4_pairs, unpack_int4_pairs)
+)
+
+
 # The custom op makes the kernel opaque to torch.compile; eager calls skip its dispatch, which
 # costs as much as the kernel itself for a small layer at batch 1.
 @torch.library.custom_op("hf_aoq::int4pack_linear_cpu", mutates_args=())
-def int4pack_linear_cpu(x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
-    return cpu_ext.load().int4pack_linear(x2, packed, scale_zero, group_size, INT4_GEMV_MAX_ROWS)
+def int4pack_linear_cpu(
+    x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int, int16_activations: bool
+) -> torch.Tensor:
+    return cpu_ext.load().int4pack_linear(x2, packed, scale_zero, group_size, INT4_GEMV_MAX_ROWS, int16_activations)
 
 
 @int4pack_linear_cpu.register_fake
-def _(x2, packed, scale_zero, group_size):
+def _(x2, packed, scale_zero, group_size, int16_activations):
     return x2.new_empty(x2.shape[0], packed.shape[0])
 
 
 def _int4_ext_applies(x, w) -> bool:
-    return _int4_cpu_applies(x, w) and w.qdata.is_contiguous() and w.scale.is_contiguous() and int4_ext_ready()
+    return (
+        w.packing == "cpu_int4_pairs"
+        and x.device.type == "cpu"
+        and x.dtype in FLOATS
+        and w.qdata.is_contiguous()
+        and w.scale.is_contiguous()
+    )
 
 
 @register_kernel("linear", "Int4Tensor", "cpu_int4_ext", backend="cpu", priority=20, applies=_int4_ext_applies)
 def int4_ext_linear(x, w, bias):
-    """Float32 compute whatever the activation dtype: exact float32 dequantization for float32
-    models; for bf16 models more precise than the reference (which rounds the weight to bf16)."""
+    """Float32 compute for float32 activations: exact float32 dequantization. Half-precision
+    activations meet the codes as int16 codes at few rows (see int_cpu.cpp), in float32 at many;
+    both are more precise than the reference, which rounds the weight to the activation dtype."""
     if not torch.compiler.is_compiling():
         # One C++ call does the input conversion, padding, bias and output cast as below.
         return cpu_ext.load().int4pack_linear_io(x, w.qdata, w.scale, w.block_size[-1], x.shape[-1], bias, INT4_GEMV_MAX_ROWS)
     n, k, padded_k = _int4_dims(w)
     x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()
-    y = int4pack_linear_cpu(x2, w.qdata, w.scale, w.block_size[-1])
+    y = int4pack_linear_cpu(x2, w.qdata, w.scale, w.block_size[-1], x.dtype != torch.float32)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -224,12 +278,12 @@ INT8_GEMV_MAX_ROWS = 8  # measured crossover with dequantize + GEMM, 2048x5632, 
 
 
 @torch.library.custom_op("hf_aoq::int8_linear_cpu", mutates_args=())
-def int8_linear_cpu(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS)
+def int8_linear_cpu(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, int16_activations: bool) -> torch.Tensor:
+    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS, int16_activations)
 
 
 @int8_linear_cpu.register_fake
-def _(x2, qdata, scale):
+def _(x2, qdata, scale, int16_activations):
     return x2.new_empty(x2.shape[0], qdata.shape[0])
 
 
@@ -253,7 +307,7 @@ def int8_ext_linear(x, w, bias):
         return cpu_ext.load().int8_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)
     n, k = w.qdata.shape
     x2 = x.reshape(-1, k).float().contiguous()
-    y = int8_linear_cpu(x2, w.qdata, w.scale.reshape(-1).float().contiguous())
+    y = int8_linear_cpu(x2, w.qdata, w.scale.reshape(-1).float().contiguous(), x.dtype != torch.float32)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -326,17 +380,17 @@ def float8_cpu_linear(x, w, bias):
 
 
 def _int4dq_packable(w) -> bool:
-    return w.shape[0] % 16 == 0 and int4_ext_ready()
+    return w.shape[0] % 16 == 0 and cpu_ext.available()
 
 
 def pack_int4dq_for_cpu(w):
-    qdata = cpu_ext.load().int4_repack_avx2(w.qdata.contiguous(), int4_padded_k(w))
+    qdata = cpu_ext.load().int4_repack_pairs(w.qdata.contiguous(), int4_padded_k(w))
     return w.replace(qdata=qdata, gparams=w.gparams.t().contiguous(), packing="cpu_int4dq")
 
 
 def unpack_int4dq_from_cpu(w):
     n, k = w.shape
-    codes = avx2_int4unpack_codes(w.qdata, n, int4_padded_k(w))[:, :k]
+    codes = pairs_int4unpack_codes(w.qdata, n, int4_padded_k(w))[:, :k]
     return w.replace(qdata=pack_int4(codes), gparams=w.gparams.t().contiguous(), packing=None)
 
 
@@ -348,13 +402,15 @@ register_packing(
 @torch.library.custom_op("hf_aoq::int4dq_linear_cpu", mutates_args=())
 def int4dq_linear_cpu(
     x2: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
-    group_size: int,
+    group_size: int, int16_activations: bool,
 ) -> torch.Tensor:
-    return cpu_ext.load().int4dq_linear(x2, packed, gparams_t, rparams, tparams, group_size, INT4_GEMV_MAX_ROWS)
+    return cpu_ext.load().int4dq_linear(
+        x2, packed, gparams_t, rparams, tparams, group_size, INT4_GEMV_MAX_ROWS, int16_activations
+    )
 
 
 @int4dq_linear_cpu.register_fake
-def _(x2, packed, gparams_t, rparams, tparams, group_size):
+def _(x2, packed, gparams_t, rparams, tparams, group_size, int16_activations):
     return x2.new_empty(x2.shape[0], packed.shape[0])
 
 
@@ -364,7 +420,8 @@ def _int4dq_applies(x, w) -> bool:
 
 @register_kernel("linear", "Int4DQTensor", "cpu_int4dq_ext", backend="cpu", priority=20, applies=_int4dq_applies)
 def int4dq_ext_linear(x, w, bias):
-    """Float32 compute whatever the activation dtype, as the int4 kernel."""
+    """As the int4 kernel: float32 compute, int16 activation codes for half-precision
+    activations at few rows."""
     g = w.block_size[-1]
     if not torch.compiler.is_compiling():
         return cpu_ext.load().int4dq_linear_io(
@@ -372,7 +429,7 @@ def int4dq_ext_linear(x, w, bias):
         )
     n, k, padded_k = _int4_dims(w)
     x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()
-    y = int4dq_linear_cpu(x2, w.qdata, w.gparams, w.rparams, w.tparams, g)
+    y = int4dq_linear_cpu(x2, w.qdata, w.gparams, w.rparams, w.tparams, g, x.dtype != torch.float32)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

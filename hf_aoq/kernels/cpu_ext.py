@@ -19,7 +19,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("simd.cpp", "dequant_gemm.cpp", "fp8_cpu.cpp", "int_cpu.cpp", "linear_io.cpp")  # in this order: one translation unit
 FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
-    "int4pack_linear_io", "int8_linear_io", "fp8_linear_io", "int4_repack_avx2",
+    "int4pack_linear_io", "int8_linear_io", "fp8_linear_io", "int4_repack_pairs",
     "int4dq_linear", "int4dq_linear_io", "int4dq_row_params", "int4dq_search",
 ]
 

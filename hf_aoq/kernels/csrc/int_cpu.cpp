@@ -1,21 +1,30 @@
-// Int4 and int8 weight x float activation on CPU, computed in float32.
+// Int4 and int8 weight x float activation on CPU.
 //
 // aten's kernels for these formats are built for bf16 activations and are compute-bound:
 // `_weight_int4pack_mm_for_cpu` takes about 3x the time the weight bytes need at batch 1, and
 // both it and `_weight_int8pack_mm` are 10-30x slower again with float32 activations, or at a
 // few hundred rows (prefill), than a float32 GEMM. Here:
-//   few rows:  each weight row block is read once, widened to float32 in registers and dotted
-//              with every activation row (a GEMV that streams the weight);
+//   few rows:  each weight row block is read once and dotted with every activation row (a GEMV
+//              that streams the weight). Float32 activations are multiplied in float32.
+//              Half-precision ones (bf16, fp16) become int16 codes first, per row and group
+//              (quantize_rows16), and the int4 codes meet them in integer multiply-adds
+//              (vpmaddwd: 16 products per instruction, no conversion of the weight to float),
+//              twice the float path's speed: the weight reads are no longer the bottleneck's
+//              half. Each activation then differs from its value by at most 1/65534 of its
+//              group's largest |x|, which is 128x below the rounding of each weight to the
+//              activation dtype that the reference (dequantize, then F.linear in that dtype) does.
 //   many rows: chunks of the weight are dequantized exactly as the reference does it and
 //              multiplied by float32 GEMM (dequant_gemm.cpp); nothing is cached.
 //
-// Int4 weights are read in aten's AVX2 CPU layout (what `_convert_weight_to_int4pack_for_cpu`
-// writes on AVX2 builds); Python checks that the running torch writes that layout before using
-// these kernels. Per 32 output rows n0..n0+31 and per k, 16 bytes: byte d holds row n0+d in its
-// low nibble and row n0+16+d in its high nibble. A last block of 16 rows holds, per k, 8 bytes:
-// byte d holds rows n0+2d (low) and n0+2d+1 (high). Scale and zero: [groups, N, 2].
-// The weight is (q - 8) * scale + zero. Int4DQTensor (at the end) reads the same code layout
-// with its own per-group parameters.
+// Int4 weights are read in hf_aoq's CPU "pairs" layout (int4_repack_pairs), made for the
+// integer multiply-add over column pairs. Per block of 32 output rows n0..n0+31 and per column
+// pair (2j, 2j+1): 32 bytes, read as 16-bit words; word 2i (column 2j) and word 2i+1 (column
+// 2j+1), i = 0..7, hold in nibble t (bits 4t..4t+3) the code of row n0 + 8t + i. So one 32-bit
+// lane holds one row's two codes, and shifting and masking the words yields rows 8t..8t+7 of
+// both columns at once. A last block of 16 rows holds 16 bytes per column pair: words 2i, 2i+1
+// for i = 0..3, nibble t: row n0 + 4t + i. Scale and zero: [groups, N, 2]. The weight is
+// (q - 8) * scale + zero. Int4DQTensor (at the end) reads the same code layout with its own
+// per-group parameters.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -23,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
@@ -56,24 +66,25 @@ struct ScaleZeroParams {
 
 // Code of row r (0..rows-1) at column k inside a block whose bytes start at `blk`.
 inline int code_at(const uint8_t* blk, int64_t rows, int64_t k, int64_t r) {
-  if (rows == BLOCK_N) {
-    const uint8_t b = blk[k * 16 + (r & 15)];
-    return r < 16 ? (b & 15) : (b >> 4);
-  }
-  const uint8_t b = blk[k * (rows / 2) + r / 2];
-  return (r & 1) ? (b >> 4) : (b & 15);
+  const int64_t lanes = rows / 4, i = r % lanes, t = r / lanes;
+  const uint8_t b = blk[(k >> 1) * rows + 2 * (2 * i + (k & 1)) + (t >> 1)];
+  return (t & 1) ? (b >> 4) : (b & 15);
 }
 
 #if defined(__AVX2__)
-// The 32 codes of one k of a full block, as float32 rows 0-7, 8-15, 16-23, 24-31.
-inline void codes32(const uint8_t* p, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+// The 64 codes of one column pair of a full block as float32: e[t] rows 8t..8t+7 of the even
+// column, o[t] of the odd one.
+inline void codes64(const uint8_t* p, __m256* e, __m256* o) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i mask = _mm256_set1_epi32(15);
-  w0 = _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask));
-  w1 = _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask));
-  w2 = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-  w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+  e[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+  e[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4), mask));
+  e[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 8), mask));
+  e[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 12), mask));
+  o[0] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 16), mask));
+  o[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 20), mask));
+  o[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 24), mask));
+  o[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 28));
 }
 
 // out[i][0..31] += sum over the group of x[i][k] * code(k), for MB activation rows.
@@ -82,15 +93,12 @@ inline void int4_group_dot(const uint8_t* blk, const float* const* xs, int64_t k
   __m256 acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = k0; k < k1; ++k) {
-    __m256 w0, w1, w2, w3;
-    codes32(blk + k * 16, w0, w1, w2, w3);
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m256 e[4], o[4];
+    codes64(blk + k * 16, e, o);
     for (int i = 0; i < MB; ++i) {
-      const __m256 xb = _mm256_broadcast_ss(xs[i] + k);
-      acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
-      acc[i][2] = _mm256_fmadd_ps(xb, w2, acc[i][2]);
-      acc[i][3] = _mm256_fmadd_ps(xb, w3, acc[i][3]);
+      const __m256 xa = _mm256_broadcast_ss(xs[i] + k), xb = _mm256_broadcast_ss(xs[i] + k + 1);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(xb, o[j], _mm256_fmadd_ps(xa, e[j], acc[i][j]));
     }
   }
   for (int i = 0; i < MB; ++i)
@@ -104,29 +112,14 @@ inline void int4_group_dot(const uint8_t* blk, const float* const* xs, int64_t k
 __attribute__((always_inline)) inline void int4_group_sums1(const uint8_t* blk, const float* x, int64_t k0, int64_t k1, __m256* sums) {
   __m256 a[4], b[4];
   for (int j = 0; j < 4; ++j) a[j] = b[j] = _mm256_setzero_ps();
-  int64_t k = k0;
-  for (; k + 2 <= k1; k += 2) {
-    __m256 w0, w1, w2, w3, v0, v1, v2, v3;
-    codes32(blk + k * 16, w0, w1, w2, w3);
-    codes32(blk + k * 16 + 16, v0, v1, v2, v3);
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m256 e[4], o[4];
+    codes64(blk + k * 16, e, o);
     const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
-    a[0] = _mm256_fmadd_ps(xa, w0, a[0]);
-    a[1] = _mm256_fmadd_ps(xa, w1, a[1]);
-    a[2] = _mm256_fmadd_ps(xa, w2, a[2]);
-    a[3] = _mm256_fmadd_ps(xa, w3, a[3]);
-    b[0] = _mm256_fmadd_ps(xb, v0, b[0]);
-    b[1] = _mm256_fmadd_ps(xb, v1, b[1]);
-    b[2] = _mm256_fmadd_ps(xb, v2, b[2]);
-    b[3] = _mm256_fmadd_ps(xb, v3, b[3]);
-  }
-  for (; k < k1; ++k) {
-    __m256 w0, w1, w2, w3;
-    codes32(blk + k * 16, w0, w1, w2, w3);
-    const __m256 xa = _mm256_broadcast_ss(x + k);
-    a[0] = _mm256_fmadd_ps(xa, w0, a[0]);
-    a[1] = _mm256_fmadd_ps(xa, w1, a[1]);
-    a[2] = _mm256_fmadd_ps(xa, w2, a[2]);
-    a[3] = _mm256_fmadd_ps(xa, w3, a[3]);
+    for (int j = 0; j < 4; ++j) {
+      a[j] = _mm256_fmadd_ps(xa, e[j], a[j]);
+      b[j] = _mm256_fmadd_ps(xb, o[j], b[j]);
+    }
   }
   for (int j = 0; j < 4; ++j) sums[j] = _mm256_add_ps(a[j], b[j]);
 }
@@ -235,6 +228,226 @@ void int4_gemv(const float* x, const uint8_t* w, const P& params, float* y, int6
   });
 }
 
+// Half-precision activation rows as int16 codes for the integer GEMVs: per row m and group g of
+// gs columns (the last group may be partial), sx = max|x| / 32767 and code = round(x / sx) (0
+// when the group is all zero), so that x = code * sx to within sx / 2. xs = sx * (sum of the
+// group's codes): the sum of the activations the codes stand for, which carries an int4
+// weight's zero term. A group holding inf or NaN gets sx = NaN: its row's outputs are NaN, as the
+// reference's would be non-finite.
+struct Int16Rows {
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> sx, xs;   // [M, G]
+  // The codes of columns k, k + 1 of row m as one 32-bit lane (k low), as vpmaddwd pairs them.
+  int32_t pair(int64_t m, int64_t K, int64_t k) const {
+    int32_t v;
+    std::memcpy(&v, codes.data() + m * K + k, sizeof v);
+    return v;
+  }
+};
+
+Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
+  const int64_t G = (K + gs - 1) / gs;
+  Int16Rows q{std::vector<int16_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k0 = g * gs, n = std::min(K, k0 + gs) - k0;
+      const float* xg = x + m * K + k0;
+      int16_t* cg = q.codes.data() + m * K + k0;
+      float mx = 0.f;
+      bool nan = false;
+      int64_t k = 0;
+#if defined(__AVX2__)
+      {
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 vm = _mm256_setzero_ps(), vn = _mm256_setzero_ps();
+        for (; k + 8 <= n; k += 8) {
+          const __m256 v = _mm256_loadu_ps(xg + k);
+          vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, v));
+          vn = _mm256_or_ps(vn, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        alignas(32) float t[8];
+        _mm256_store_ps(t, vm);
+        for (int i = 0; i < 8; ++i) mx = std::max(mx, t[i]);
+        nan = _mm256_movemask_ps(vn) != 0;
+      }
+#endif
+      for (; k < n; ++k) {
+        mx = std::max(mx, std::fabs(xg[k]));
+        nan = nan || std::isnan(xg[k]);
+      }
+      const bool finite = std::isfinite(mx) && !nan;
+      const float inv = 32767.f / mx;
+      int32_t total = 0;
+      k = 0;
+      if (finite && mx > 0.f && std::isfinite(inv)) {
+#if defined(__AVX2__)
+        // round(x * inv): |x * inv| <= 32767 (to within rounding: clamped), then to int16.
+        const __m256 iv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(32767.f), lo = _mm256_set1_ps(-32767.f);
+        __m256i acc = _mm256_setzero_si256();
+        for (; k + 8 <= n; k += 8) {
+          __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + k), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+          acc = _mm256_add_epi32(acc, c);
+          const __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(cg + k), c16);
+        }
+        alignas(32) int32_t t[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), acc);
+        for (int i = 0; i < 8; ++i) total += t[i];
+#endif
+        for (; k < n; ++k) {
+          cg[k] = static_cast<int16_t>(std::min(std::max(std::nearbyint(xg[k] * inv), -32767.f), 32767.f));
+          total += cg[k];
+        }
+      } else if (finite && mx > 0.f) {  // mx so small (subnormal) that 32767 / mx is inf: divide
+        for (; k < n; ++k) {
+          cg[k] = static_cast<int16_t>(std::min(std::max(std::nearbyint(xg[k] / mx * 32767.f), -32767.f), 32767.f));
+          total += cg[k];
+        }
+      } else {
+        std::fill(cg, cg + n, int16_t(0));
+      }
+      const float sx = finite ? mx / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      q.sx[m * G + g] = sx;
+      q.xs[m * G + g] = float(total) * sx;
+    }
+  return q;
+}
+
+// Groups of up to this many columns keep an int32 sum of code products exact: each 32-bit lane
+// of vpmaddwd adds two products of at most 15 * 32767, and gs / 2 of those stay below 2^31.
+constexpr int64_t kMaxInt16Group = 4096;
+
+#if defined(__AVX2__)
+// acc[i][t] (int32, rows 8t..8t+7) = sum over column pairs [j0, j1) of a full block of the
+// int4 codes times activation row ms[i]'s int16 codes. One row: two column pairs per iteration
+// into separate accumulators (eight independent chains); two rows: one pair.
+template <int MB>
+__attribute__((always_inline)) inline void int4_group_isums(const uint8_t* blk, const Int16Rows& xq, const int64_t* ms,
+                                                            int64_t K, int64_t j0, int64_t j1, __m256i (*acc)[4]) {
+  const __m256i m4 = _mm256_set1_epi16(15);
+  __m256i a[MB][4], c[4];
+  for (int t = 0; t < 4; ++t) {
+    c[t] = _mm256_setzero_si256();
+    for (int i = 0; i < MB; ++i) a[i][t] = c[t];
+  }
+  auto codes = [&](const uint8_t* p, __m256i* q) {  // rows 8t..8t+7 of the pair as int16 pairs
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    q[0] = _mm256_and_si256(b, m4);
+    q[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m4);
+    q[2] = _mm256_and_si256(_mm256_srli_epi16(b, 8), m4);
+    q[3] = _mm256_srli_epi16(b, 12);
+  };
+  int64_t j = j0;
+  if (MB == 1) {
+    for (; j + 2 <= j1; j += 2) {
+      __m256i q[4], r[4];
+      codes(blk + j * 32, q);
+      codes(blk + j * 32 + 32, r);
+      const __m256i xa = _mm256_set1_epi32(xq.pair(ms[0], K, 2 * j));
+      const __m256i xb = _mm256_set1_epi32(xq.pair(ms[0], K, 2 * j + 2));
+      for (int t = 0; t < 4; ++t) {
+        a[0][t] = _mm256_add_epi32(a[0][t], _mm256_madd_epi16(q[t], xa));
+        c[t] = _mm256_add_epi32(c[t], _mm256_madd_epi16(r[t], xb));
+      }
+    }
+  }
+  for (; j < j1; ++j) {
+    __m256i q[4];
+    codes(blk + j * 32, q);
+    for (int i = 0; i < MB; ++i) {
+      const __m256i xa = _mm256_set1_epi32(xq.pair(ms[i], K, 2 * j));
+      for (int t = 0; t < 4; ++t) a[i][t] = _mm256_add_epi32(a[i][t], _mm256_madd_epi16(q[t], xa));
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int t = 0; t < 4; ++t) acc[i][t] = MB == 1 ? _mm256_add_epi32(a[i][t], c[t]) : a[i][t];
+}
+
+// out[t] += (s * sx) * acc[t] + (z - offset * s) * xs for rows 8t..8t+7: one group's share.
+template <class P>
+__attribute__((always_inline)) inline void int4_epilogue16(const float* s, const float* z, float sx, float xs,
+                                                           const __m256i* acc, __m256* out) {
+  const __m256 off = _mm256_set1_ps(P::offset), sxv = _mm256_set1_ps(sx), xsv = _mm256_set1_ps(xs);
+  for (int t = 0; t < 4; ++t) {
+    const __m256 sv = _mm256_load_ps(s + 8 * t);
+    const __m256 zc = _mm256_sub_ps(_mm256_load_ps(z + 8 * t), _mm256_mul_ps(off, sv));
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(sv, sxv), _mm256_cvtepi32_ps(acc[t])), _mm256_mul_ps(zc, xsv));
+    out[t] = _mm256_add_ps(out[t], v);
+  }
+}
+#endif
+
+// y = x W^T for few rows of half-precision activations, through int16 activation codes (see
+// quantize_rows16 and the top of this file). Per block of 32 weight rows, group and activation
+// row: an exact int32 sum of code products, then the group's float32 epilogue as the vector
+// code computes it (the scalar code for a 16-row tail block does the same operations).
+template <class P>
+void int4_gemv16(const float* x, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
+  const int64_t G = K / gs;
+  const Int16Rows xq = quantize_rows16(x, M, K, gs);
+  const int64_t NB = (N + BLOCK_N - 1) / BLOCK_N;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> out(M * BLOCK_N);
+    alignas(32) float s[BLOCK_N], z[BLOCK_N];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - n0);
+      const uint8_t* blk = w + n0 * K / 2;
+#if defined(__AVX2__)
+      if (rows == BLOCK_N) {
+        if (M == 1) {  // the outputs stay in registers over the groups
+          const int64_t ms[1] = {0};
+          __m256 o[4];
+          for (int t = 0; t < 4; ++t) o[t] = _mm256_setzero_ps();
+          for (int64_t g = 0; g < G; ++g) {
+            __m256i acc[1][4];
+            int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc);
+            params(g, n0, BLOCK_N, s, z);
+            int4_epilogue16<P>(s, z, xq.sx[g], xq.xs[g], acc[0], o);
+          }
+          for (int t = 0; t < 4; ++t) _mm256_storeu_ps(y + n0 + 8 * t, o[t]);
+          continue;
+        }
+        std::fill(out.begin(), out.end(), 0.f);
+        for (int64_t g = 0; g < G; ++g) {
+          params(g, n0, BLOCK_N, s, z);
+          for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int mb = static_cast<int>(std::min<int64_t>(2, M - m0));
+            const int64_t ms[2] = {m0, m0 + mb - 1};
+            __m256i acc[2][4];
+            if (mb == 2) int4_group_isums<2>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc);
+            else int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc);
+            for (int i = 0; i < mb; ++i) {
+              float* op = out.data() + (m0 + i) * BLOCK_N;
+              __m256 o[4];
+              for (int t = 0; t < 4; ++t) o[t] = _mm256_loadu_ps(op + 8 * t);
+              int4_epilogue16<P>(s, z, xq.sx[(m0 + i) * G + g], xq.xs[(m0 + i) * G + g], acc[i], o);
+              for (int t = 0; t < 4; ++t) _mm256_storeu_ps(op + 8 * t, o[t]);
+            }
+          }
+        }
+        for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, out.data() + m * BLOCK_N, BLOCK_N * sizeof(float));
+        continue;
+      }
+#endif
+      std::fill(out.begin(), out.end(), 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        params(g, n0, rows, s, z);
+        for (int64_t m = 0; m < M; ++m) {
+          const float sx = xq.sx[m * G + g], xs = xq.xs[m * G + g];
+          for (int64_t r = 0; r < rows; ++r) {
+            int32_t a = 0;
+            for (int64_t k = g * gs; k < (g + 1) * gs; ++k) a += code_at(blk, rows, k, r) * int32_t(xq.codes[m * K + k]);
+            const float zc = z[r] - P::offset * s[r];
+            out[m * BLOCK_N + r] += (s[r] * sx) * float(a) + zc * xs;
+          }
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, out.data() + m * BLOCK_N, rows * sizeof(float));
+    }
+  });
+}
+
 // W^T for rows [n0, n1) (block aligned) as float32 [K, n1 - n0]: (q - offset) * s + z (for
 // Int4Tensor (q - 8) * scale + zero), with a separate multiply and add (built with
 // -ffp-contract=off), as the reference computes it.
@@ -242,37 +455,35 @@ template <class P>
 void int4_dequant_t(const uint8_t* w, const P& params, float* out, int64_t N, int64_t K, int64_t gs, int64_t n0, int64_t n1) {
   const int64_t C = n1 - n0, G = K / gs;
   const int64_t b0 = n0 / BLOCK_N, b1 = (n1 + BLOCK_N - 1) / BLOCK_N;
-  auto body = [&](int64_t bb0, int64_t bb1) {
-    float s[BLOCK_N], z[BLOCK_N];
-    for (int64_t b = bb0; b < bb1; ++b) {
-      const int64_t bn0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - bn0);
-      const uint8_t* blk = w + bn0 * K / 2;
-      float* o = out + (bn0 - n0);
-      for (int64_t g = 0; g < G; ++g) {
-        params(g, bn0, rows, s, z);
-        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
-          float* ok = o + k * C;
+  float s[BLOCK_N], z[BLOCK_N];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t bn0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - bn0);
+    const uint8_t* blk = w + bn0 * K / 2;
+    float* o = out + (bn0 - n0);
+    for (int64_t g = 0; g < G; ++g) {
+      params(g, bn0, rows, s, z);
 #if defined(__AVX2__)
-          if (rows == BLOCK_N) {
-            __m256 q[4];
-            codes32(blk + k * 16, q[0], q[1], q[2], q[3]);
-            const __m256 off = _mm256_set1_ps(P::offset);
+      if (rows == BLOCK_N) {  // a column pair at a time, eight rows per vector
+        const __m256 off = _mm256_set1_ps(P::offset);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+          __m256 q[2][4];
+          codes64(blk + k * 16, q[0], q[1]);
+          for (int p = 0; p < 2; ++p)
             for (int j = 0; j < 4; ++j) {
-              const __m256 v = _mm256_mul_ps(_mm256_sub_ps(q[j], off), _mm256_loadu_ps(s + 8 * j));
-              _mm256_storeu_ps(ok + 8 * j, _mm256_add_ps(v, _mm256_loadu_ps(z + 8 * j)));
+              const __m256 v = _mm256_mul_ps(_mm256_sub_ps(q[p][j], off), _mm256_loadu_ps(s + 8 * j));
+              _mm256_storeu_ps(o + (k + p) * C + 8 * j, _mm256_add_ps(v, _mm256_loadu_ps(z + 8 * j)));
             }
-            continue;
-          }
-#endif
-          for (int64_t r = 0; r < rows; ++r) {
-            const float v = (float(code_at(blk, rows, k, r)) - P::offset) * s[r];
-            ok[r] = v + z[r];
-          }
         }
+        continue;
       }
+#endif
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k)
+        for (int64_t r = 0; r < rows; ++r) {
+          const float v = (float(code_at(blk, rows, k, r)) - P::offset) * s[r];
+          o[k * C + r] = v + z[r];
+        }
     }
-  };
-  body(b0, b1);
+  }
 }
 
 template <class P>
@@ -281,18 +492,33 @@ void int4_gemm(const torch::Tensor& x, const uint8_t* w, const P& params, torch:
                [&](int64_t n0, int64_t n1, float* buf) { int4_dequant_t(w, params, buf, N, K, gs, n0, n1); });
 }
 
+// The int4 path for x (float32 [M, K]): the GEMV at up to gemv_max_rows rows (through int16
+// activation codes when the caller's activations were half precision), else dequantize + GEMM.
+template <class P>
+void int4_linear(const torch::Tensor& x, const uint8_t* w, const P& params, torch::Tensor& y, int64_t N, int64_t gs,
+                 int64_t gemv_max_rows, bool int16_activations) {
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M > gemv_max_rows)
+    int4_gemm(x, w, params, y, N, K, gs);
+  else if (int16_activations && gs <= kMaxInt16Group)
+    int4_gemv16(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, gs);
+  else
+    int4_gemv(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, gs);
+}
+
 }  // namespace
 
-// x: float32 [M, K] contiguous, K a multiple of group_size; packed: uint8 [N, K/2] in aten's AVX2
-// layout; scale_zero: [K/group_size, N, 2] float32, bfloat16 or float16. Returns float32 [M, N].
+// x: float32 [M, K] contiguous, K a multiple of group_size; packed: uint8 [N, K/2] in the pairs
+// layout (int4_repack_pairs); scale_zero: [K/group_size, N, 2] float32, bfloat16 or float16.
+// int16_activations: x holds half-precision values (see the top of this file). Returns float32 [M, N].
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
-                              int64_t gemv_max_rows) {
+                              int64_t gemv_max_rows, bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
               "packed: contiguous uint8 [N, K/2]");
   TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, "K must be a multiple of group_size");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "K must be a multiple of an even group_size");
   TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == K / group_size && scale_zero.size(1) == N &&
                   scale_zero.size(2) == 2 && scale_zero.is_contiguous(),
               "scale_zero: contiguous [K/group_size, N, 2]");
@@ -300,10 +526,7 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   const uint8_t* w = packed.data_ptr<uint8_t>();
   auto run = [&](auto* sz) {
     const ScaleZeroParams<std::remove_const_t<std::remove_pointer_t<decltype(sz)>>> params{sz, N};
-    if (M <= gemv_max_rows)
-      int4_gemv(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, group_size);
-    else
-      int4_gemm(x, w, params, y, N, K, group_size);
+    int4_linear(x, w, params, y, N, group_size, gemv_max_rows, int16_activations);
   };
   switch (scale_zero.scalar_type()) {
     case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
@@ -326,6 +549,85 @@ inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, flo
   dot_rows4(x, q + n * K, K, [](const int8_t* p) { return int8x8(p); }, [](int8_t c) { return float(c); }, out);
 }
 #endif
+
+// Half-precision activations: int16 codes per group of this many columns (see quantize_rows16).
+// Each 32-bit lane of vpmaddwd adds two products of at most 127 * 32767; a group's gs / 16 of
+// them stay far below 2^31.
+constexpr int64_t kInt8ActGroup = 128;
+
+#if defined(__AVX2__)
+// Weight rows n..n+3 against activation row m's int16 codes: per group an exact int32 sum of
+// code products (16 per vpmaddwd), then times the group's step in float32. out: the four sums.
+inline void int8_dot4_16(const Int16Rows& xq, int64_t m, const int8_t* q, int64_t K, int64_t n, float* out) {
+  const int64_t G = (K + kInt8ActGroup - 1) / kInt8ActGroup;
+  const int16_t* xc = xq.codes.data() + m * K;
+  const int8_t* r[4] = {q + n * K, q + (n + 1) * K, q + (n + 2) * K, q + (n + 3) * K};
+  __m256 f[4];
+  float tail[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i < 4; ++i) f[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * kInt8ActGroup, k1 = std::min(K, k0 + kInt8ActGroup);
+    __m256i a[4];
+    for (int i = 0; i < 4; ++i) a[i] = _mm256_setzero_si256();
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + k));
+      for (int i = 0; i < 4; ++i) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[i] + k)));
+        a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(w, xv));
+      }
+    }
+    int32_t t[4] = {0, 0, 0, 0};
+    for (; k < k1; ++k)
+      for (int i = 0; i < 4; ++i) t[i] += int32_t(r[i][k]) * int32_t(xc[k]);
+    const float sx = xq.sx[m * G + g];
+    const __m256 sxv = _mm256_set1_ps(sx);
+    for (int i = 0; i < 4; ++i) {
+      f[i] = _mm256_add_ps(f[i], _mm256_mul_ps(_mm256_cvtepi32_ps(a[i]), sxv));
+      tail[i] += float(t[i]) * sx;
+    }
+  }
+  for (int i = 0; i < 4; ++i) out[i] = hsum(f[i]) + tail[i];
+}
+#endif
+
+// One weight row against activation row m's int16 codes: int8_dot4_16's exact integer sums per
+// group, summed over the groups in order. For row tails and builds without AVX2.
+inline float int8_dot1_16(const Int16Rows& xq, int64_t m, const int8_t* row, int64_t K) {
+  const int64_t G = (K + kInt8ActGroup - 1) / kInt8ActGroup;
+  const int16_t* xc = xq.codes.data() + m * K;
+  float sum = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t t = 0;
+    for (int64_t k = g * kInt8ActGroup; k < std::min(K, (g + 1) * kInt8ActGroup); ++k) t += int32_t(row[k]) * int32_t(xc[k]);
+    sum += float(t) * xq.sx[m * G + g];
+  }
+  return sum;
+}
+
+// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] through int16 activation codes (half-precision
+// activations at few rows): four weight rows at a time, each block of four met by every
+// activation row while it is in cache.
+void int8_gemv16(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
+  const Int16Rows xq = quantize_rows16(x, M, K, kInt8ActGroup);
+  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = 4 * b, rows = std::min<int64_t>(4, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        float d[4];
+#if defined(__AVX2__)
+        if (rows == 4) {
+          int8_dot4_16(xq, m, q, K, n0, d);
+        } else
+#endif
+        {
+          for (int64_t i = 0; i < rows; ++i) d[i] = int8_dot1_16(xq, m, q + (n0 + i) * K, K);
+        }
+        for (int64_t i = 0; i < rows; ++i) y[m * N + n0 + i] = d[i] * scale[n0 + i];
+      }
+    }
+  });
+}
 
 // y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row four weight rows at a time,
 // more rows two activation rows at a time.
@@ -381,8 +683,11 @@ void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, in
 }  // namespace
 
 // x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
-// [M, N]. Many rows: chunks of q * scale (the reference's float32 dequantization) and GEMM.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows) {
+// [M, N]. Few rows: the GEMV, through int16 activation codes when int16_activations (x holds
+// half-precision values). Many rows: chunks of q * scale (the reference's float32
+// dequantization) and GEMM.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows,
+                          bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous() && q.size(1) == x.size(1),
               "q: contiguous int8 [N, K]");
@@ -390,7 +695,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M <= gemv_max_rows) {
-    int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+    auto gemv = int16_activations ? int8_gemv16 : int8_gemv;
+    gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
     return y;
   }
   const int8_t* qp = q.data_ptr<int8_t>();
@@ -407,11 +713,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
 }
 
 // Canonical int4 bytes (uint8 [N, K/2], code of column k in the low nibble of byte k/2 for even
-// k, the high nibble for odd k) -> aten's AVX2 layout described at the top, for K padded to
+// k, the high nibble for odd k) -> the pairs layout described at the top, for K padded to
 // `padded_k` with code 8 (the padding the kernels' zero input columns meet). uint8 [N, padded_k/2].
-// Placing a weight for the CPU kernels at load; the same bytes as unpacking to codes and packing
-// them with torch ops, without the two intermediate [N, K] tensors.
-torch::Tensor int4_repack_avx2(torch::Tensor canonical, int64_t padded_k) {
+// Placing a weight for the CPU kernels at load; cpu.py's pairs_int4pack_bytes is the same
+// mapping in torch ops (and its test).
+torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k) {
   TORCH_CHECK(canonical.dtype() == torch::kUInt8 && canonical.dim() == 2 && canonical.is_contiguous(),
               "canonical: contiguous uint8 [N, K/2]");
   const int64_t N = canonical.size(0), half = canonical.size(1), K = 2 * half;
@@ -420,42 +726,32 @@ torch::Tensor int4_repack_avx2(torch::Tensor canonical, int64_t padded_k) {
   auto out = torch::empty({N, padded_k / 2}, canonical.options());
   const uint8_t* c = canonical.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
-  const uint8_t pad = 8 | (8 << 4);
-  // Both codes of byte j of row n: low nibble column 2j, high nibble column 2j + 1.
-  auto byte_at = [&](int64_t n, int64_t j) -> uint8_t { return j < half ? c[n * half + j] : pad; };
-  const int64_t full = N / BLOCK_N * BLOCK_N, pairs = padded_k / 2;
-  at::parallel_for(0, full / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t pairs = padded_k / 2;
+  // Canonical byte j of a row holds both codes of column pair j: column 2j low, 2j + 1 high.
+  auto byte_at = [&](int64_t n, int64_t j) -> uint8_t { return j < half ? c[n * half + j] : uint8_t(0x88); };
+  at::parallel_for(0, (N + BLOCK_N - 1) / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+    uint8_t src[BLOCK_N];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BLOCK_N;
-      uint8_t* dst = o + n0 * pairs;  // padded_k * 16 bytes for the block
+      const int64_t n0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - n0), lanes = rows / 4;
+      uint8_t* dst = o + n0 * pairs;  // `rows` bytes per column pair
       for (int64_t j = 0; j < pairs; ++j) {
-        uint8_t* even = dst + (2 * j) * 16;
-        uint8_t* odd = even + 16;
-        for (int64_t d = 0; d < 16; ++d) {
-          const uint8_t lo = byte_at(n0 + d, j), hi = byte_at(n0 + 16 + d, j);
-          even[d] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
-          odd[d] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
-        }
+        for (int64_t r = 0; r < rows; ++r) src[r] = byte_at(n0 + r, j);
+        uint8_t* d = dst + j * rows;
+        for (int64_t i = 0; i < lanes; ++i)
+          for (int p = 0; p < 2; ++p)      // column 2j + p: word 2i + p
+            for (int h = 0; h < 2; ++h) {  // byte h of the word: nibbles t = 2h (low), 2h + 1 (high)
+              const int lo = (src[(2 * h) * lanes + i] >> (4 * p)) & 15;
+              const int hi = (src[(2 * h + 1) * lanes + i] >> (4 * p)) & 15;
+              d[4 * i + 2 * p + h] = static_cast<uint8_t>(lo | (hi << 4));
+            }
       }
     }
   });
-  if (full < N) {  // a last block of 16 rows: per column, 8 bytes holding rows 2d (low), 2d + 1 (high)
-    uint8_t* dst = o + full * pairs;
-    for (int64_t j = 0; j < pairs; ++j) {
-      uint8_t* even = dst + (2 * j) * 8;
-      uint8_t* odd = even + 8;
-      for (int64_t d = 0; d < 8; ++d) {
-        const uint8_t lo = byte_at(full + 2 * d, j), hi = byte_at(full + 2 * d + 1, j);
-        even[d] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
-        odd[d] = static_cast<uint8_t>((lo >> 4) | (hi & 0xF0));
-      }
-    }
-  }
   return out;
 }
 
 
-// Int4DQTensor: the int4 codes above (the same AVX2 layout, with code 8 padding) whose per-group
+// Int4DQTensor: the int4 codes above (the same pairs layout, with code 8 padding) whose per-group
 // scale d and centre c are 4-bit codes a, b (gparams: a low nibble, b high nibble) between
 // per-row ends decoded from 8-bit log codes (rparams: kd_lo, kd_hi, kc_lo, kc_hi) and two
 // per-tensor values (tparams: T_d, T_c):
@@ -547,18 +843,19 @@ torch::Tensor int4dq_decode(const torch::Tensor& rparams, const torch::Tensor& t
 torch::Tensor int4dq_row_params(torch::Tensor rparams, torch::Tensor tparams) { return int4dq_decode(rparams, tparams); }
 
 // x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
-// packed: uint8 [N, Kp/2] in aten's AVX2 layout (int4_repack_avx2 of the canonical codes);
+// packed: uint8 [N, Kp/2] in the pairs layout (int4_repack_pairs of the canonical codes);
 // gparams_t: uint8 [Kp/group_size, N] contiguous (the canonical gparams transposed); rparams:
 // uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: the GEMV at up to gemv_max_rows
-// rows, else chunks dequantized exactly as the format defines and float32 GEMM.
+// rows (through int16 activation codes when int16_activations), else chunks dequantized exactly
+// as the format defines and float32 GEMM.
 torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
-                            torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows) {
+                            torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
               "packed: contiguous uint8 [N, Kp/2]");
   TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, "Kp must be a multiple of group_size");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
   TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
                   gparams_t.size(1) == N && gparams_t.is_contiguous(),
               "gparams_t: contiguous uint8 [Kp/group_size, N]");
@@ -567,11 +864,7 @@ torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
   const float* rp = rows.data_ptr<float>();
   const DQParams params{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N};
   auto y = torch::empty({M, N}, x.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  if (M <= gemv_max_rows)
-    int4_gemv(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, group_size);
-  else
-    int4_gemm(x, w, params, y, N, K, group_size);
+  int4_linear(x, packed.data_ptr<uint8_t>(), params, y, N, group_size, gemv_max_rows, int16_activations);
   return y;
 }
 

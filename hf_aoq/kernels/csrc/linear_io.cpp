@@ -88,7 +88,7 @@ torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::T
                                  int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows) {
   const int64_t padded_k = (k + group_size - 1) / group_size * group_size;
   return linear_io(x, k, padded_k, packed.size(0), bias, [&](const torch::Tensor& x2) {
-    return int4pack_linear(x2, packed, scale_zero, group_size, gemv_max_rows);
+    return int4pack_linear(x2, packed, scale_zero, group_size, gemv_max_rows, x.scalar_type() != torch::kFloat32);
   });
 }
 
@@ -100,7 +100,8 @@ torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Ten
   TORCH_CHECK(group_size > 0, "group_size must be positive");
   const int64_t padded_k = (k + group_size - 1) / group_size * group_size;
   return linear_io(x, k, padded_k, packed.size(0), bias, [&](const torch::Tensor& x2) {
-    return int4dq_linear(x2, packed, gparams_t, rparams, tparams, group_size, gemv_max_rows);
+    return int4dq_linear(x2, packed, gparams_t, rparams, tparams, group_size, gemv_max_rows,
+                         x.scalar_type() != torch::kFloat32);
   });
 }
 
@@ -109,7 +110,9 @@ torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor sca
                              int64_t gemv_max_rows) {
   const int64_t k = q.size(1);
   auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
-  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) { return int8_linear(x2, q, s, gemv_max_rows); });
+  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) {
+    return int8_linear(x2, q, s, gemv_max_rows, x.scalar_type() != torch::kFloat32);
+  });
 }
 
 // F.linear(x, float8 weight, bias) in one call: the GEMV at up to gemv_max_rows rows, else chunks
