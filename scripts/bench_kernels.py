@@ -46,8 +46,8 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
                     lambda: aten._weight_int4pack_mm_for_cpu(x, a4.qdata, 128, a4.scale)))
     q4 = canonical4.place()
     ext = cpu_ext.load()
-    half = dtype != torch.float32  # the GEMVs take int16 activation codes for half-precision activations
     if q4.packing == "cpu_int4_pairs":
+        half = dtype != torch.float32  # the GEMV takes int16 activation codes for half-precision activations
         out.append(("hf_aoq ext int4 (gemv)",
                     lambda: ext.int4pack_linear(x_fp32, q4.qdata, q4.scale, 128, 1 << 30, half).to(dtype)))
         out.append(("hf_aoq ext int4 (dequant+gemm)",
@@ -60,8 +60,8 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
         out.append(("aten int8pack " + str(dtype)[6:], lambda: aten._weight_int8pack_mm(x, q8.qdata, s8)))
     if ext is not None and hasattr(ext, "int8_linear"):
         s8f = q8.scale.reshape(-1).float().contiguous()
-        out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30, half).to(dtype)))
-        out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0, half).to(dtype)))
+        out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30).to(dtype)))
+        out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0).to(dtype)))
     out.append(("hf_aoq int8 F.linear", lambda: F.linear(x, q8)))
     q8d = Int8Tensor.from_float(w.to(dtype), act_quant="per_token")
     out.append(("hf_aoq int8dyn F.linear", lambda: F.linear(x, q8d)))

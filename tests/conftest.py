@@ -20,22 +20,20 @@ def cpu_int4_packing() -> str:
 
 
 def int16_activation_linear(x: torch.Tensor, w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the CPU int4 and int8 kernels' integer GEMVs compute for float32 activations x [M, K]
-    and the dequantized weight w [N, K], in float64, from the definition: each group of g
-    activations (the last may be partial) becomes int16 codes round(x * (32767 / max|x|)) (float32
+    """What the CPU int4 kernels' integer GEMV computes for float32 activations x [M, K] (K a
+    multiple of g) and the dequantized weight w [N, K], in float64, from the definition: each
+    group of g activations becomes int16 codes round(x * (32767 / max|x|)) (float32
     arithmetic), standing for code * max|x| / 32767. Returns (y, bound): the product with those
     values, and per output the most they can move it from x @ w.T, half a step per activation
     times |w|."""
     m, k = x.shape
-    padded = -(-k // g) * g
-    w = torch.nn.functional.pad(w, (0, padded - k))
-    xg = torch.nn.functional.pad(x.float(), (0, padded - k)).reshape(m, padded // g, g)
+    xg = x.float().reshape(m, k // g, g)
     mx = xg.abs().amax(-1, keepdim=True)
     inv = torch.full_like(mx, 32767) / mx  # a true division, as the kernel (32767 / mx would multiply by 1 / mx)
     codes = torch.where(mx > 0, torch.round(xg * inv).clamp(-32767, 32767), torch.zeros_like(xg))
     step = (mx / 32767).double()
-    xhat = (codes.double() * step).reshape(m, padded)
-    half_steps = (step / 2).expand(m, padded // g, g).reshape(m, padded)
+    xhat = (codes.double() * step).reshape(m, k)
+    half_steps = (step / 2).expand(m, k // g, g).reshape(m, k)
     return xhat @ w.double().t(), half_steps @ w.double().abs().t()
 
 

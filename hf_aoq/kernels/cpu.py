@@ -278,12 +278,12 @@ INT8_GEMV_MAX_ROWS = 8  # measured crossover with dequantize + GEMM, 2048x5632, 
 
 
 @torch.library.custom_op("hf_aoq::int8_linear_cpu", mutates_args=())
-def int8_linear_cpu(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, int16_activations: bool) -> torch.Tensor:
-    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS, int16_activations)
+def int8_linear_cpu(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS)
 
 
 @int8_linear_cpu.register_fake
-def _(x2, qdata, scale, int16_activations):
+def _(x2, qdata, scale):
     return x2.new_empty(x2.shape[0], qdata.shape[0])
 
 
@@ -307,7 +307,7 @@ def int8_ext_linear(x, w, bias):
         return cpu_ext.load().int8_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)
     n, k = w.qdata.shape
     x2 = x.reshape(-1, k).float().contiguous()
-    y = int8_linear_cpu(x2, w.qdata, w.scale.reshape(-1).float().contiguous(), x.dtype != torch.float32)
+    y = int8_linear_cpu(x2, w.qdata, w.scale.reshape(-1).float().contiguous())
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

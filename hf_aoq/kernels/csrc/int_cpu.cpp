@@ -5,14 +5,15 @@
 // both it and `_weight_int8pack_mm` are 10-30x slower again with float32 activations, or at a
 // few hundred rows (prefill), than a float32 GEMM. Here:
 //   few rows:  each weight row block is read once and dotted with every activation row (a GEMV
-//              that streams the weight). Float32 activations are multiplied in float32.
-//              Half-precision ones (bf16, fp16) become int16 codes first, per row and group
-//              (quantize_rows16), and the int4 codes meet them in integer multiply-adds
-//              (vpmaddwd: 16 products per instruction, no conversion of the weight to float),
-//              twice the float path's speed: the weight reads are no longer the bottleneck's
-//              half. Each activation then differs from its value by at most 1/65534 of its
-//              group's largest |x|, which is 128x below the rounding of each weight to the
-//              activation dtype that the reference (dequantize, then F.linear in that dtype) does.
+//              that streams the weight), in float32 for int8 weights and for float32
+//              activations. For int4 weights and half-precision (bf16, fp16) activations, the
+//              activations become int16 codes per row and group (quantize_rows16) and meet the
+//              int4 codes in integer multiply-adds (vpmaddwd: 16 products per instruction, no
+//              conversion of the codes to float): 1.8x the float32 path's speed in decode. Each
+//              activation is then off by at most 1/65534 of its group's largest |x|, 128x below
+//              the rounding of each weight to the activation dtype that the reference
+//              (dequantize, then F.linear in that dtype) does. (The int8 GEMV already reads its
+//              weight at about the machine's bandwidth: int16 codes gain nothing there.)
 //   many rows: chunks of the weight are dequantized exactly as the reference does it and
 //              multiplied by float32 GEMM (dequant_gemm.cpp); nothing is cached.
 //
@@ -228,8 +229,8 @@ void int4_gemv(const float* x, const uint8_t* w, const P& params, float* y, int6
   });
 }
 
-// Half-precision activation rows as int16 codes for the integer GEMVs: per row m and group g of
-// gs columns (the last group may be partial), sx = max|x| / 32767 and code = round(x / sx) (0
+// Half-precision activation rows as int16 codes for the integer GEMV: per row m and group g of
+// gs columns (K a multiple of gs), sx = max|x| / 32767 and code = round(x / sx) (0
 // when the group is all zero), so that x = code * sx to within sx / 2. xs = sx * (sum of the
 // group's codes): the sum of the activations the codes stand for, which carries an int4
 // weight's zero term. A group holding inf or NaN gets sx = NaN: its row's outputs are NaN, as the
@@ -246,13 +247,13 @@ struct Int16Rows {
 };
 
 Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
-  const int64_t G = (K + gs - 1) / gs;
+  const int64_t G = K / gs;
   Int16Rows q{std::vector<int16_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t k0 = g * gs, n = std::min(K, k0 + gs) - k0;
-      const float* xg = x + m * K + k0;
-      int16_t* cg = q.codes.data() + m * K + k0;
+      const int64_t n = gs;
+      const float* xg = x + m * K + g * gs;
+      int16_t* cg = q.codes.data() + m * K + g * gs;
       float mx = 0.f;
       bool nan = false;
       int64_t k = 0;
@@ -550,85 +551,6 @@ inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, flo
 }
 #endif
 
-// Half-precision activations: int16 codes per group of this many columns (see quantize_rows16).
-// Each 32-bit lane of vpmaddwd adds two products of at most 127 * 32767; a group's gs / 16 of
-// them stay far below 2^31.
-constexpr int64_t kInt8ActGroup = 128;
-
-#if defined(__AVX2__)
-// Weight rows n..n+3 against activation row m's int16 codes: per group an exact int32 sum of
-// code products (16 per vpmaddwd), then times the group's step in float32. out: the four sums.
-inline void int8_dot4_16(const Int16Rows& xq, int64_t m, const int8_t* q, int64_t K, int64_t n, float* out) {
-  const int64_t G = (K + kInt8ActGroup - 1) / kInt8ActGroup;
-  const int16_t* xc = xq.codes.data() + m * K;
-  const int8_t* r[4] = {q + n * K, q + (n + 1) * K, q + (n + 2) * K, q + (n + 3) * K};
-  __m256 f[4];
-  float tail[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int i = 0; i < 4; ++i) f[i] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t k0 = g * kInt8ActGroup, k1 = std::min(K, k0 + kInt8ActGroup);
-    __m256i a[4];
-    for (int i = 0; i < 4; ++i) a[i] = _mm256_setzero_si256();
-    int64_t k = k0;
-    for (; k + 16 <= k1; k += 16) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + k));
-      for (int i = 0; i < 4; ++i) {
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[i] + k)));
-        a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(w, xv));
-      }
-    }
-    int32_t t[4] = {0, 0, 0, 0};
-    for (; k < k1; ++k)
-      for (int i = 0; i < 4; ++i) t[i] += int32_t(r[i][k]) * int32_t(xc[k]);
-    const float sx = xq.sx[m * G + g];
-    const __m256 sxv = _mm256_set1_ps(sx);
-    for (int i = 0; i < 4; ++i) {
-      f[i] = _mm256_add_ps(f[i], _mm256_mul_ps(_mm256_cvtepi32_ps(a[i]), sxv));
-      tail[i] += float(t[i]) * sx;
-    }
-  }
-  for (int i = 0; i < 4; ++i) out[i] = hsum(f[i]) + tail[i];
-}
-#endif
-
-// One weight row against activation row m's int16 codes: int8_dot4_16's exact integer sums per
-// group, summed over the groups in order. For row tails and builds without AVX2.
-inline float int8_dot1_16(const Int16Rows& xq, int64_t m, const int8_t* row, int64_t K) {
-  const int64_t G = (K + kInt8ActGroup - 1) / kInt8ActGroup;
-  const int16_t* xc = xq.codes.data() + m * K;
-  float sum = 0.f;
-  for (int64_t g = 0; g < G; ++g) {
-    int32_t t = 0;
-    for (int64_t k = g * kInt8ActGroup; k < std::min(K, (g + 1) * kInt8ActGroup); ++k) t += int32_t(row[k]) * int32_t(xc[k]);
-    sum += float(t) * xq.sx[m * G + g];
-  }
-  return sum;
-}
-
-// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k] through int16 activation codes (half-precision
-// activations at few rows): four weight rows at a time, each block of four met by every
-// activation row while it is in cache.
-void int8_gemv16(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
-  const Int16Rows xq = quantize_rows16(x, M, K, kInt8ActGroup);
-  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = 4 * b, rows = std::min<int64_t>(4, N - n0);
-      for (int64_t m = 0; m < M; ++m) {
-        float d[4];
-#if defined(__AVX2__)
-        if (rows == 4) {
-          int8_dot4_16(xq, m, q, K, n0, d);
-        } else
-#endif
-        {
-          for (int64_t i = 0; i < rows; ++i) d[i] = int8_dot1_16(xq, m, q + (n0 + i) * K, K);
-        }
-        for (int64_t i = 0; i < rows; ++i) y[m * N + n0 + i] = d[i] * scale[n0 + i];
-      }
-    }
-  });
-}
-
 // y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row four weight rows at a time,
 // more rows two activation rows at a time.
 void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
@@ -683,11 +605,11 @@ void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, in
 }  // namespace
 
 // x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
-// [M, N]. Few rows: the GEMV, through int16 activation codes when int16_activations (x holds
-// half-precision values). Many rows: chunks of q * scale (the reference's float32
-// dequantization) and GEMM.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows,
-                          bool int16_activations) {
+// [M, N]. Many rows: chunks of q * scale (the reference's float32 dequantization) and GEMM.
+// (Int16 activation codes, as the int4 GEMV takes, do not pay here: at batch 1 the int8 GEMV
+// already reads the weight at about the machine's bandwidth; measured 51.3 against 50.6 ms for
+// a TinyLlama token's linears.)
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous() && q.size(1) == x.size(1),
               "q: contiguous int8 [N, K]");
@@ -695,8 +617,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M <= gemv_max_rows) {
-    auto gemv = int16_activations ? int8_gemv16 : int8_gemv;
-    gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
+    int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
     return y;
   }
   const int8_t* qp = q.data_ptr<int8_t>();

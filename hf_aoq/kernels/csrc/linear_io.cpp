@@ -110,9 +110,7 @@ torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor sca
                              int64_t gemv_max_rows) {
   const int64_t k = q.size(1);
   auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
-  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) {
-    return int8_linear(x2, q, s, gemv_max_rows, x.scalar_type() != torch::kFloat32);
-  });
+  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) { return int8_linear(x2, q, s, gemv_max_rows); });
 }
 
 // F.linear(x, float8 weight, bias) in one call: the GEMV at up to gemv_max_rows rows, else chunks
