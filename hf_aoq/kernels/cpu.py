@@ -1,6 +1,8 @@
-"""CPU kernels and the int4 CPU packing: aten's int4 (tinygemm's CPU twin) and int8-weight
-kernels, and hf_aoq's own (csrc/, built on first use) for int4, int8 and float8 weights, which
-compute in float32 and win where they apply (measured by scripts/bench_kernels.py)."""
+"""CPU kernels and the int4 CPU packings: aten's int4 (tinygemm's CPU twin) and int8-weight
+kernels on aten's packing, and hf_aoq's own (csrc/, built on first use) for int4 (on hf_aoq's
+"pairs" packing), int8 and float8 weights, which compute in float32 (int4 at batch 1 with
+bf16/fp16 activations: int16 activation codes) and win where they apply (measured by
+scripts/bench_kernels.py)."""
 from __future__ import annotations
 
 import functools

@@ -10,8 +10,10 @@ K need not be a multiple of g: the last group then covers the remaining K % g co
 hidden size 576 in groups of 128 is four whole groups and one of 64). The device packings pad
 such a weight to whole groups with code 8 and pad the input with zeros, which adds nothing.
 
-Device packings (`packing` attribute) rearrange qdata for aten's int4 kernels and hold scale
-and zero together as [K/g, N, 2]; they are made by `place()` and undone by `to_canonical()`.
+Device packings (`packing` attribute) rearrange qdata for a device's int4 kernels (on CPU,
+hf_aoq's own "pairs" layout, or aten's where hf_aoq's extension is not built; on CUDA,
+tinygemm's) and hold scale and zero together as [K/g, N, 2]; they are made by `place()` and
+undone by `to_canonical()`.
 """
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ Decoding, in float32 (every `x * y + z` a multiply, then an add):
     per group:  d = dlo + a * dstep;  c = clo + b * cstep
     per weight: w = (q - 7.5) * d + c, then cast to the weight's dtype
 
-The CPU packing ("cpu_int4dq") holds qdata in aten's AVX2 int4 layout (as Int4Tensor's) and
-gparams transposed to [G, N]; `to_canonical()` undoes it.
+The CPU packing ("cpu_int4dq") holds qdata in hf_aoq's CPU int4 "pairs" layout (as
+Int4Tensor's) and gparams transposed to [G, N]; `to_canonical()` undoes it.
 """
 from __future__ import annotations
 
