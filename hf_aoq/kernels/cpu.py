@@ -119,11 +119,11 @@ def _int4_layout_matches() -> bool:
 
 # hf_aoq's own int4 kernel (csrc/int_cpu.cpp) reads its own "pairs" layout: per block of 32
 # rows (a last one may have 16) and per column pair, the two columns' codes of a row share one
-# 32-bit lane, which is what an integer multiply-add over column pairs needs. It computes in
-# float32, or through int16 activation codes for half-precision activations at few rows (see
-# int_cpu.cpp): a GEMV that streams the weight at few rows (about 4x aten's bf16 kernel at batch
-# 1), a chunked dequantize + float32 GEMM at many rows (about 2x aten's bf16 kernel at 256 rows).
-INT4_GEMV_MAX_ROWS = 48  # measured crossover with dequantize + GEMM, 2048x5632, one thread
+# 32-bit lane, which is what an integer multiply-add over column pairs needs. Half-precision
+# activations meet the codes as int16 codes at any number of rows (see int_cpu.cpp; about 4x
+# aten's bf16 kernel at batch 1, 1.3-1.5x hf_aoq's dequantize + float32 GEMM at 256-1024 rows).
+# Float32 activations: a float32 GEMV at few rows, chunked dequantize + float32 GEMM above.
+INT4_GEMV_MAX_ROWS = 12  # float32 activations: measured crossover, 2048x5632 and 5632x2048, 1 and 2 threads
 
 
 def _pairs_blocks(n: int) -> list[tuple[int, int]]:
@@ -378,7 +378,7 @@ def float8_cpu_linear(x, w, bias):
 # The int4 kernels of csrc/int_cpu.cpp with each group's scale and centre decoded from the
 # 4-bit indices (gparams) and the row grid (rparams, tparams) as the format defines them. The
 # codes are packed as Int4Tensor's; gparams are transposed to [G, N] so that one group's bytes
-# for a block of rows are contiguous. Its GEMV / GEMM crossover is Int4's (INT4_GEMV_MAX_ROWS).
+# for a block of rows are contiguous. Its paths and crossover are Int4's (INT4_GEMV_MAX_ROWS).
 
 
 def _int4dq_packable(w) -> bool:

@@ -4,16 +4,20 @@
 // `_weight_int4pack_mm_for_cpu` takes about 3x the time the weight bytes need at batch 1, and
 // both it and `_weight_int8pack_mm` are 10-30x slower again with float32 activations, or at a
 // few hundred rows (prefill), than a float32 GEMM. Here:
-//   few rows:  each weight row block is read once and dotted with every activation row (a GEMV
-//              that streams the weight), in float32 for int8 weights and for float32
-//              activations. For int4 weights and half-precision (bf16, fp16) activations, the
-//              activations become int16 codes per row and group (quantize_rows16) and meet the
-//              int4 codes in integer multiply-adds (vpmaddwd: 16 products per instruction, no
-//              conversion of the codes to float): 1.8x the float32 path's speed in decode. Each
-//              activation is then off by at most 1/65534 of its group's largest |x|, 128x below
-//              the rounding of each weight to the activation dtype that the reference
-//              (dequantize, then F.linear in that dtype) does. (The int8 GEMV already reads its
-//              weight at about the machine's bandwidth: int16 codes gain nothing there.)
+//   int4 weights, half-precision (bf16, fp16) activations, any number of rows: the activations
+//              become int16 codes per row and group (quantize_rows16) and meet the int4 codes in
+//              integer multiply-adds (vpmaddwd: 16 products per instruction, no conversion of
+//              the codes to float), streaming the weight once per one or two activation rows.
+//              1.8x the float32 GEMV's speed in decode, and faster than dequantize + float32
+//              GEMM up to at least 1024 rows (1.3-1.5x). Each activation is off by at most
+//              1/65534 of its group's largest |x|, 128x below the rounding of each weight to the
+//              activation dtype that the reference (dequantize, then F.linear in that dtype)
+//              does. The integer sums are exact, so a row's result does not depend on the rows
+//              computed with it.
+//   few rows otherwise (float32 activations, int8 weights): each weight row block is read once
+//              and dotted with every activation row in float32 (a GEMV that streams the weight).
+//              (The int8 GEMV already reads its weight at about the machine's bandwidth: int16
+//              codes gain nothing there.)
 //   many rows: chunks of the weight are dequantized exactly as the reference does it and
 //              multiplied by float32 GEMM (dequant_gemm.cpp); nothing is cached.
 //
@@ -376,12 +380,12 @@ __attribute__((always_inline)) inline void int4_epilogue16(const float* s, const
 }
 #endif
 
-// y = x W^T for few rows of half-precision activations, through int16 activation codes (see
+// y = x W^T for half-precision activations, through int16 activation codes (see
 // quantize_rows16 and the top of this file). Per block of 32 weight rows, group and activation
 // row: an exact int32 sum of code products, then the group's float32 epilogue as the vector
 // code computes it (the scalar code for a 16-row tail block does the same operations).
 template <class P>
-void int4_gemv16(const float* x, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
+void int4_linear16(const float* x, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
   const int64_t G = K / gs;
   const Int16Rows xq = quantize_rows16(x, M, K, gs);
   const int64_t NB = (N + BLOCK_N - 1) / BLOCK_N;
@@ -490,25 +494,27 @@ void int4_gemm(const torch::Tensor& x, const uint8_t* w, const P& params, torch:
                [&](int64_t n0, int64_t n1, float* buf) { int4_dequant_t(w, params, buf, N, K, gs, n0, n1); });
 }
 
-// The int4 path for x (float32 [M, K]): the GEMV at up to gemv_max_rows rows (through int16
-// activation codes when the caller's activations were half precision), else dequantize + GEMM.
+// The int4 path for x (float32 [M, K]): int16 activation codes when the caller's activations
+// were half precision (any number of rows), else the float32 GEMV at up to gemv_max_rows rows and
+// dequantize + float32 GEMM above.
 template <class P>
 void int4_linear(const torch::Tensor& x, const uint8_t* w, const P& params, torch::Tensor& y, int64_t N, int64_t gs,
                  int64_t gemv_max_rows, bool int16_activations) {
   const int64_t M = x.size(0), K = x.size(1);
-  if (M > gemv_max_rows)
-    int4_gemm(x, w, params, y, N, K, gs);
-  else if (int16_activations && gs <= kMaxInt16Group)
-    int4_gemv16(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, gs);
-  else
+  if (int16_activations && gs <= kMaxInt16Group)
+    int4_linear16(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, gs);
+  else if (M <= gemv_max_rows)
     int4_gemv(x.data_ptr<float>(), w, params, y.data_ptr<float>(), M, N, K, gs);
+  else
+    int4_gemm(x, w, params, y, N, K, gs);
 }
 
 }  // namespace
 
 // x: float32 [M, K] contiguous, K a multiple of group_size; packed: uint8 [N, K/2] in the pairs
 // layout (int4_repack_pairs); scale_zero: [K/group_size, N, 2] float32, bfloat16 or float16.
-// int16_activations: x holds half-precision values (see the top of this file). Returns float32 [M, N].
+// int16_activations: x holds half-precision values (see the top of this file); else the float32
+// GEMV at up to gemv_max_rows rows, dequantize + GEMM above. Returns float32 [M, N].
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                               int64_t gemv_max_rows, bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -763,9 +769,9 @@ torch::Tensor int4dq_row_params(torch::Tensor rparams, torch::Tensor tparams) { 
 // x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
 // packed: uint8 [N, Kp/2] in the pairs layout (int4_repack_pairs of the canonical codes);
 // gparams_t: uint8 [Kp/group_size, N] contiguous (the canonical gparams transposed); rparams:
-// uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: the GEMV at up to gemv_max_rows
-// rows (through int16 activation codes when int16_activations), else chunks dequantized exactly
-// as the format defines and float32 GEMM.
+// uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: through int16 activation codes
+// when int16_activations, else the float32 GEMV at up to gemv_max_rows rows and above them chunks
+// dequantized exactly as the format defines and float32 GEMM.
 torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
