@@ -1,7 +1,7 @@
 """CPU kernels and the int4 CPU packings: aten's int4 (tinygemm's CPU twin) and int8-weight
 kernels on aten's packing, and hf_aoq's own (csrc/, built on first use) for int4 (on hf_aoq's
-"pairs" packing), int8 and float8 weights, which compute in float32 (int4 at batch 1 with
-bf16/fp16 activations: int16 activation codes) and win where they apply (measured by
+"pairs" packing), int8 and float8 weights, which compute in float32 (int4 with bf16/fp16
+activations: through int16 activation codes) and win where they apply (measured by
 scripts/bench_kernels.py)."""
 from __future__ import annotations
 
@@ -207,9 +207,9 @@ def _int4_ext_applies(x, w) -> bool:
 
 @register_kernel("linear", "Int4Tensor", "cpu_int4_ext", backend="cpu", priority=20, applies=_int4_ext_applies)
 def int4_ext_linear(x, w, bias):
-    """Float32 compute for float32 activations: exact float32 dequantization. Half-precision
-    activations meet the codes as int16 codes at few rows (see int_cpu.cpp), in float32 at many;
-    both are more precise than the reference, which rounds the weight to the activation dtype."""
+    """Float32 activations: float32 compute on the exactly dequantized weight. Half-precision
+    activations meet the codes as int16 codes (see int_cpu.cpp), more precise than the
+    reference, which rounds the weight to the activation dtype."""
     if not torch.compiler.is_compiling():
         # One C++ call does the input conversion, padding, bias and output cast as below.
         return cpu_ext.load().int4pack_linear_io(x, w.qdata, w.scale, w.block_size[-1], x.shape[-1], bias, INT4_GEMV_MAX_ROWS)
@@ -422,8 +422,8 @@ def _int4dq_applies(x, w) -> bool:
 
 @register_kernel("linear", "Int4DQTensor", "cpu_int4dq_ext", backend="cpu", priority=20, applies=_int4dq_applies)
 def int4dq_ext_linear(x, w, bias):
-    """As the int4 kernel: float32 compute, int16 activation codes for half-precision
-    activations at few rows."""
+    """As the int4 kernel: float32 compute for float32 activations, int16 activation codes for
+    half-precision ones."""
     g = w.block_size[-1]
     if not torch.compiler.is_compiling():
         return cpu_ext.load().int4dq_linear_io(

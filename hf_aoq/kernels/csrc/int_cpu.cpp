@@ -18,8 +18,8 @@
 //              and dotted with every activation row in float32 (a GEMV that streams the weight).
 //              (The int8 GEMV already reads its weight at about the machine's bandwidth: int16
 //              codes gain nothing there.)
-//   many rows: chunks of the weight are dequantized exactly as the reference does it and
-//              multiplied by float32 GEMM (dequant_gemm.cpp); nothing is cached.
+//   many rows otherwise: chunks of the weight are dequantized exactly as the reference does it
+//              and multiplied by float32 GEMM (dequant_gemm.cpp); nothing is cached.
 //
 // Int4 weights are read in hf_aoq's CPU "pairs" layout (int4_repack_pairs), made for the
 // integer multiply-add over column pairs. Per block of 32 output rows n0..n0+31 and per column
@@ -253,9 +253,9 @@ struct Int16Rows {
 Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
   const int64_t G = K / gs;
   Int16Rows q{std::vector<int16_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t n = gs;
+  at::parallel_for(0, M * G, 64, [&](int64_t i0, int64_t i1) {  // many rows (prefill): threads share them
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / G, g = i % G, n = gs;
       const float* xg = x + m * K + g * gs;
       int16_t* cg = q.codes.data() + m * K + g * gs;
       float mx = 0.f;
@@ -316,6 +316,7 @@ Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
       q.sx[m * G + g] = sx;
       q.xs[m * G + g] = float(total) * sx;
     }
+  });
   return q;
 }
 
