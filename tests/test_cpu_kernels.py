@@ -52,7 +52,7 @@ def test_int4_kernel_float32_matches_reference(n, k, g, scale_dtype):
 
 @needs_ext
 @pytest.mark.parametrize("n,k,g", [(64, 256, 32), (80, 384, 128), (48, 512, 256), (16, 128, 64)])
-def test_int4_gemv_through_int16_activation_codes(n, k, g):
+def test_int4_kernel_through_int16_activation_codes(n, k, g):
     """Half-precision activations, any number of rows: the kernel computes with int16 activation
     codes (int_cpu.cpp), on 32-row blocks (vector code) and 16-row ones (scalar code), one row and
     row pairs. It gives what the definition gives, up to float32 rounding, and stays within the
@@ -75,7 +75,7 @@ def test_int4_gemv_through_int16_activation_codes(n, k, g):
 
 
 @needs_ext
-def test_int4_gemv_int16_path_keeps_non_finite_inputs_non_finite():
+def test_int4_int16_path_keeps_non_finite_inputs_non_finite():
     """A NaN or inf among the activations cannot become a code: that row's outputs are NaN, as
     the reference's would be non-finite, and the other rows are untouched."""
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def test_int4_gemv_int16_path_keeps_non_finite_inputs_non_finite():
 
 @needs_ext
 def test_int4_gemm_path_dequantizes_exactly_as_the_reference():
-    """Fed the identity, the many-rows path returns its float32 dequantized weight: bit for bit
+    """Fed the identity (float32 activations), the many-rows path returns its float32 dequantized weight: bit for bit
     the reference's (a separate multiply and add, no FMA contraction)."""
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
