@@ -47,11 +47,11 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     q4 = canonical4.place()
     ext = cpu_ext.load()
     if q4.packing == "cpu_int4_pairs":
-        half = dtype != torch.float32  # the GEMV takes int16 activation codes for half-precision activations
-        out.append(("hf_aoq ext int4 (gemv)",
+        half = dtype != torch.float32  # half-precision activations: int16 activation codes, at any row count
+        out.append((f"hf_aoq ext int4 ({'int16 codes' if half else 'gemv'})",
                     lambda: ext.int4pack_linear(x_fp32, q4.qdata, q4.scale, 128, 1 << 30, half).to(dtype)))
         out.append(("hf_aoq ext int4 (dequant+gemm)",
-                    lambda: ext.int4pack_linear(x_fp32, q4.qdata, q4.scale, 128, 0, half).to(dtype)))
+                    lambda: ext.int4pack_linear(x_fp32, q4.qdata, q4.scale, 128, 0, False).to(dtype)))
     out.append(("hf_aoq int4 F.linear", lambda: F.linear(x, q4)))
 
     q8 = Int8Tensor.from_float(w.to(dtype))
