@@ -255,7 +255,7 @@ Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
   Int16Rows q{std::vector<int16_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
   at::parallel_for(0, M * G, 64, [&](int64_t i0, int64_t i1) {  // many rows (prefill): threads share them
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / G, g = i % G, n = gs;
+      const int64_t m = i / G, g = i % G;
       const float* xg = x + m * K + g * gs;
       int16_t* cg = q.codes.data() + m * K + g * gs;
       float mx = 0.f;
@@ -265,7 +265,7 @@ Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
       {
         const __m256 sign = _mm256_set1_ps(-0.f);
         __m256 vm = _mm256_setzero_ps(), vn = _mm256_setzero_ps();
-        for (; k + 8 <= n; k += 8) {
+        for (; k + 8 <= gs; k += 8) {
           const __m256 v = _mm256_loadu_ps(xg + k);
           vm = _mm256_max_ps(vm, _mm256_andnot_ps(sign, v));
           vn = _mm256_or_ps(vn, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -276,20 +276,25 @@ Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
         nan = _mm256_movemask_ps(vn) != 0;
       }
 #endif
-      for (; k < n; ++k) {
+      for (; k < gs; ++k) {
         mx = std::max(mx, std::fabs(xg[k]));
         nan = nan || std::isnan(xg[k]);
       }
       const bool finite = std::isfinite(mx) && !nan;
       const float inv = 32767.f / mx;
       int32_t total = 0;
+      auto code = [&](int64_t k, float v) {  // v: x * 32767 / mx, rounded and clamped
+        cg[k] = static_cast<int16_t>(std::min(std::max(std::nearbyint(v), -32767.f), 32767.f));
+        total += cg[k];
+      };
       k = 0;
+      // An all-zero or non-finite group keeps the codes' zero initialization.
       if (finite && mx > 0.f && std::isfinite(inv)) {
 #if defined(__AVX2__)
         // round(x * inv): |x * inv| <= 32767 (to within rounding: clamped), then to int16.
         const __m256 iv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(32767.f), lo = _mm256_set1_ps(-32767.f);
         __m256i acc = _mm256_setzero_si256();
-        for (; k + 8 <= n; k += 8) {
+        for (; k + 8 <= gs; k += 8) {
           __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + k), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           const __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
           acc = _mm256_add_epi32(acc, c);
@@ -300,17 +305,9 @@ Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(t), acc);
         for (int i = 0; i < 8; ++i) total += t[i];
 #endif
-        for (; k < n; ++k) {
-          cg[k] = static_cast<int16_t>(std::min(std::max(std::nearbyint(xg[k] * inv), -32767.f), 32767.f));
-          total += cg[k];
-        }
+        for (; k < gs; ++k) code(k, xg[k] * inv);
       } else if (finite && mx > 0.f) {  // mx so small (subnormal) that 32767 / mx is inf: divide
-        for (; k < n; ++k) {
-          cg[k] = static_cast<int16_t>(std::min(std::max(std::nearbyint(xg[k] / mx * 32767.f), -32767.f), 32767.f));
-          total += cg[k];
-        }
-      } else {
-        std::fill(cg, cg + n, int16_t(0));
+        for (; k < gs; ++k) code(k, xg[k] / mx * 32767.f);
       }
       const float sx = finite ? mx / 32767.f : std::numeric_limits<float>::quiet_NaN();
       q.sx[m * G + g] = sx;
