@@ -1,0 +1,182 @@
+// Float8 weight x float activation on CPU, reading the float8 weight directly.
+//
+// aten has no fused float8 CPU kernel: upcasting the whole weight on every call costs more
+// than the bf16 matmul it replaces. Here each weight row is read once, widened to float32 with
+// a bit trick in registers, and dotted with every activation row.
+//
+// The bit trick: place a float8 code's exponent and mantissa bits at the top of a float32's
+// exponent and mantissa (sign stays the sign). The float32 then equals the float8 value times
+// 2^-(127 - bias8) for normal and subnormal codes alike, so multiplying by 2^(127 - bias8)
+// restores it: e4m3fn shift 20, factor 2^120; e5m2 shift 21, factor 2^112. The GEMV applies the
+// factor as two halves, one to the dot product and one to the row's scale: exact (powers of
+// two), and no overflow for any scale below 2^68 (the whole factor times a scale above 2^8
+// would be infinite in float32).
+// Subnormal float32 inputs must not be flushed, so DAZ is cleared for the call.
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "dequant_gemm.h"
+#include "hf_aoq_cpu.h"
+#include "simd.h"
+
+namespace {
+
+inline float code_to_scaled_float(uint8_t b, int shift) {
+  uint32_t bits = (uint32_t(b & 0x80) << 24) | (uint32_t(b & 0x7F) << shift);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct DenormalsKept {
+#if defined(__SSE__) || defined(__AVX2__)
+  unsigned int saved;
+  DenormalsKept() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~0x0040u); }  // clear DAZ
+  ~DenormalsKept() { _mm_setcsr(saved); }
+#endif
+};
+
+#if defined(__AVX2__)
+// Sign-extend each byte to 32 bits and shift: the exponent and mantissa land in place, the sign
+// copies above them are masked off except the top one, which is the float32 sign.
+inline __m256 codes_to_scaled_floats(const uint8_t* p, int shift) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (shift == 20)
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(int(0x87F00000u))));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 21), _mm256_set1_epi32(int(0x8FE00000u))));
+}
+
+// Dot products of one weight row with MB activation rows, U independent accumulator chains per
+// activation row (one chain would leave the loop waiting on FMA latency).
+template <int MB, int U>
+inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, float* acc) {
+  __m256 v[MB][U];
+  for (int i = 0; i < MB; ++i)
+    for (int u = 0; u < U; ++u) v[i][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      const __m256 w = codes_to_scaled_floats(row + k + 8 * u, s);
+      for (int i = 0; i < MB; ++i) v[i][u] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i * K + k + 8 * u), w, v[i][u]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w = codes_to_scaled_floats(row + k, s);
+    for (int i = 0; i < MB; ++i) v[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + i * K + k), w, v[i][0]);
+  }
+  for (int i = 0; i < MB; ++i) {
+    __m256 t = v[i][0];
+    for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, v[i][u]);
+    acc[i] = hsum(t);
+  }
+  for (; k < K; ++k) {
+    const float w = code_to_scaled_float(row[k], s);
+    for (int i = 0; i < MB; ++i) acc[i] += xp[i * K + k] * w;
+  }
+}
+
+// One activation row against four weight rows (dot_rows4 in simd.h): acc gets the four
+// bit-trick-scaled dot products.
+inline void fp8_dot4(const uint8_t* r0, const float* x, int64_t K, int s, float* acc) {
+  dot_rows4(x, r0, K, [s](const uint8_t* p) { return codes_to_scaled_floats(p, s); },
+            [s](uint8_t c) { return code_to_scaled_float(c, s); }, acc);
+}
+#endif
+
+}  // namespace
+
+// x: float32 [M, K]; codes: uint8 [N, K] (float8 bits); row_scale: float32 [N], the weight's
+// per-row scale. Returns float32 [M, N].
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row_scale, int64_t shift) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
+  TORCH_CHECK(row_scale.dtype() == torch::kFloat32 && row_scale.numel() == codes.size(0), "row_scale: float32 [N]");
+  TORCH_CHECK(shift == 20 || shift == 21, "shift: 20 (e4m3fn) or 21 (e5m2)");
+  TORCH_CHECK(x.size(1) == codes.size(1), "x and codes disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = row_scale.contiguous().data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int s = static_cast<int>(shift);
+  const float half_factor = shift == 20 ? std::ldexp(1.f, 60) : std::ldexp(1.f, 56);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    DenormalsKept keep;
+    constexpr int64_t MB = 4;  // activation rows per pass over a weight row
+    int64_t n = n0;
+#if defined(__AVX2__)
+    if (M == 1) {  // four weight rows at a time
+      for (; n + 4 <= n1; n += 4) {
+        float acc[4];
+        fp8_dot4(cp + n * K, xp, K, s, acc);
+        for (int j = 0; j < 4; ++j) op[n + j] = (acc[j] * half_factor) * (sp[n + j] * half_factor);
+      }
+    }
+#endif
+    for (; n < n1; ++n) {
+      const uint8_t* row = cp + n * K;
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = std::min<int64_t>(MB, M - m0);
+        float acc[MB] = {0.f, 0.f, 0.f, 0.f};
+        const float* xm = xp + m0 * K;
+#if defined(__AVX2__)
+        switch (mb) {
+          case 1: fp8_row_dots<1, 4>(row, xm, K, s, acc); break;
+          case 2: fp8_row_dots<2, 2>(row, xm, K, s, acc); break;
+          case 3: fp8_row_dots<3, 2>(row, xm, K, s, acc); break;
+          default: fp8_row_dots<4, 1>(row, xm, K, s, acc); break;
+        }
+#else
+        for (int64_t k = 0; k < K; ++k) {
+          const float w = code_to_scaled_float(row[k], s);
+          for (int64_t i = 0; i < mb; ++i) acc[i] += xm[i * K + k] * w;
+        }
+#endif
+        const float rs = sp[n] * half_factor;
+        for (int64_t i = 0; i < mb; ++i) op[(m0 + i) * N + n] = (acc[i] * half_factor) * rs;
+      }
+    }
+  });
+  return out;
+}
+
+// Many rows: chunks of the weight dequantized to float32 exactly as the reference does it (the
+// code's value times its row's scale, one rounding), each multiplied by float32 GEMM. `scale` is
+// the per-row scale, as for fp8_linear.
+torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == codes.size(0) && scale.is_contiguous(), "scale: float32 [N]");
+  TORCH_CHECK(shift == 20 || shift == 21, "shift: 20 (e4m3fn) or 21 (e5m2)");
+  TORCH_CHECK(x.size(1) == codes.size(1), "x and codes disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const float exact_factor = shift == 20 ? std::ldexp(1.f, 120) : std::ldexp(1.f, 112);
+  const int s = static_cast<int>(shift);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, [&](int64_t n0, int64_t n1, float* wp) {
+    DenormalsKept keep;
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = cp + n * K;
+      float* o = wp + (n - n0) * K;
+      const float rs = sp[n];
+      int64_t k = 0;
+#if defined(__AVX2__)
+      const __m256 f = _mm256_set1_ps(exact_factor), sv = _mm256_set1_ps(rs);
+      for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_mul_ps(codes_to_scaled_floats(row + k, s), f);  // exact: the code's value
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(v, sv));
+      }
+#endif
+      for (; k < K; ++k) o[k] = (code_to_scaled_float(row[k], s) * exact_factor) * rs;
+    }
+  });
+  return y;
+}
