@@ -227,9 +227,9 @@ _COMPILE_IN_FRESH_PROCESS = """
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-import hf_aoq.core.tensor as core
+import hf_aoq.core.compile_cache as compile_cache
 if sys.argv[1] != "-":
-    core._source_digest = lambda: sys.argv[1]  # as if hf_aoq's sources had changed
+    compile_cache.package_source_digest = lambda: sys.argv[1]  # as if hf_aoq's sources had changed
 from hf_aoq import Float8WeightOnlyConfig, quantize_
 from test_quantize import IDS, tiny
 q = quantize_(tiny(torch.float32), Float8WeightOnlyConfig())
@@ -269,7 +269,7 @@ def test_compile_cache_is_keyed_on_hf_aoq_sources(tmp_path):
 
 
 def test_source_digest_sees_every_source_file(tmp_path):
-    from hf_aoq.core.tensor import source_digest
+    from hf_aoq.core.compile_cache import source_digest
 
     (tmp_path / "pkg" / "csrc").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("x = 1\n")

@@ -18,14 +18,13 @@ optional fields, `torch.load(weights_only=True)` registration, and per-class op 
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from . import compile_cache
 from .errors import AOQError
 
 aten = torch.ops.aten
@@ -203,7 +202,8 @@ class AOQTensor(torch.Tensor):
         not see: a graph compiled by another hf_aoq (different kernels, different op arguments)
         would be reused as is. So the key holds a digest of hf_aoq's own sources, besides the
         type, the attributes and each field tensor's metadata (never its values)."""
-        parts = [type(self).__qualname__, _source_digest(), repr(tuple(self.shape)), str(self.dtype), str(self.requires_grad)]
+        parts = [type(self).__qualname__, compile_cache.package_source_digest(), repr(tuple(self.shape)),
+                 str(self.dtype), str(self.requires_grad)]
         for n in self.attribute_names():
             if n not in _WRAPPER_ATTRIBUTES:
                 parts.append(f"{n}={getattr(self, n)!r}")
@@ -323,20 +323,6 @@ class AOQTensor(torch.Tensor):
                 f"or add it to {cls.__name__}'s op table"
             )
         return impl(func, types, args, kwargs)
-
-
-def source_digest(root: Path) -> str:
-    """sha256 of the Python and C++ sources under `root`, with their relative paths, in path order."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-@functools.lru_cache(maxsize=None)
-def _source_digest() -> str:
-    """The hf_aoq package's `source_digest`, once per process."""
-    return source_digest(Path(__file__).resolve().parents[1])
 
 
 # ---------------------------------------------------------------------- shared ops

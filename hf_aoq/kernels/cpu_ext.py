@@ -1,55 +1,80 @@
-"""hf_aoq's own CPU kernels, compiled from csrc/ on first use with torch's C++ extension tools.
+"""hf_aoq's own CPU kernels, compiled from csrc/ on first use, once per machine (build_cache.py).
 
 Where aten has no fused kernel for a format (float8 weights on CPU), or its kernel is slow (int4
-and int8 weights with float32 activations, or at many rows), a small C++ loop beats
-any composition of aten ops. The build happens once per machine (torch caches it); when it is
-impossible (no compiler, no ninja) `load()` returns None and the kernel table falls back.
+and int8 weights with float32 activations, or at many rows), a small C++ loop beats any
+composition of aten ops. Each csrc/*.cpp in SOURCES is its own translation unit; the headers hold
+what they share. The first use announces the build (about a minute) and caches the binary, keyed
+by what it depends on, for every later process; when no build is possible (no compiler, no ninja,
+another process's build outlasting HF_AOQ_EXTENSION_WAIT seconds) `load()` warns and returns
+None, and the kernel table falls back to the reference kernels.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import warnings
 from pathlib import Path
 
 import torch
 
+from . import build_cache
+
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("simd.cpp", "dequant_gemm.cpp", "fp8_cpu.cpp", "int_cpu.cpp", "linear_io.cpp")  # in this order: one translation unit
+SOURCES = ("int4.cpp", "int4dq.cpp", "int4dq_search.cpp", "int8.cpp", "fp8.cpp", "linear_io.cpp")
+HEADER = "hf_aoq_cpu.h"  # declares FUNCTIONS
 FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
     "int4pack_linear_io", "int8_linear_io", "fp8_linear_io", "int4_repack_pairs",
     "int4dq_linear", "int4dq_linear_io", "int4dq_row_params", "int4dq_search",
 ]
+# No contraction of a separate multiply and add into an FMA: the dequantizing kernels must round
+# as the reference does.
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+# Per instruction set: the compiler flags, and the CPU flags (as /proc/cpuinfo names them) that a
+# binary built with them needs. The first one the running CPU has is built.
+ISAS = {
+    "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
+    "generic": ((), ()),
+}
+WAIT_SECONDS = 900.0  # for another process's build of the same binary (HF_AOQ_EXTENSION_WAIT)
+
+
+def chosen_isa() -> str:
+    """The instruction set to build for: the first of ISAS that this CPU (and torch, which knows
+    what the OS allows and honours ATEN_CPU_CAPABILITY) supports."""
+    have = build_cache.cpu_features()
+    torch_avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    for isa, (_, needs) in ISAS.items():
+        if set(needs) <= have and (torch_avx2 or not needs):
+            return isa
+    return "generic"
+
+
+def extension() -> build_cache.Extension:
+    """What the binary for this machine is made of (its cache key)."""
+    isa = chosen_isa()
+    isa_flags, needs = ISAS[isa]
+    files = tuple((p.name, p.read_bytes()) for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".h"))
+    return build_cache.Extension(
+        prefix="hf_aoq_cpu", files=files, sources=SOURCES, functions=tuple(FUNCTIONS), header=HEADER,
+        cflags=CFLAGS + isa_flags, ldflags=LDFLAGS, isa=isa, cpu_features=needs,
+        compiler=build_cache.compiler_identity(),
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def load():
-    """The compiled extension module, or None when it cannot be built here."""
+    """The compiled extension module, or None when it cannot be loaded or built here."""
     if os.environ.get("HF_AOQ_NO_CPU_EXT"):
         return None
     try:
-        from torch.utils import cpp_extension
-
-        # No contraction of a separate multiply and add into an FMA: the dequantizing kernels
-        # must round as the reference does.
-        flags = ["-O3", "-ffp-contract=off"]
-        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-            flags += ["-mavx2", "-mfma"]
-        sources = [(CSRC / name).read_text() for name in SOURCES]
-        # The name carries a digest of what is built: a changed kernel (a new hf_aoq) is a new
-        # module, never a stale build of the old one that torch's cache or a concurrent build
-        # left behind under the same name.
-        digest = hashlib.sha256("\0".join(sources + FUNCTIONS + flags).encode()).hexdigest()[:12]
-        return cpp_extension.load_inline(
-            name="hf_aoq_cpu_" + torch.__version__.replace(".", "_").replace("+", "_") + "_" + digest,
-            cpp_sources=sources,
-            functions=FUNCTIONS,
-            extra_cflags=flags + ["-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        ext = extension()
+        root = build_cache.cache_root()
+        announce = (f"hf_aoq: compiling its C++ CPU kernels for {ext.isa.upper()} (once per machine and torch "
+                    f"version; about a minute, longer on a busy machine) into {root}")
+        wait_s = float(os.environ.get("HF_AOQ_EXTENSION_WAIT", WAIT_SECONDS))
+        return build_cache.load_or_build(ext, announce=announce, wait_s=wait_s, root=root)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         warnings.warn(f"hf_aoq: CPU extension unavailable, using reference kernels ({type(e).__name__}: {e})")
         return None

@@ -2,9 +2,11 @@
 //
 // Each does the linear's input and output handling here rather than in Python, where its
 // handful of small ops cost more than a small layer's kernel at batch 1. The kernels themselves
-// are in int_cpu.cpp and fp8_cpu.cpp (built into the same module, before this file).
-#include <torch/extension.h>
+// are in int4.cpp, int4dq.cpp, int8.cpp and fp8.cpp (declared in hf_aoq_cpu.h).
+#include <torch/types.h>
 #include <type_traits>
+
+#include "hf_aoq_cpu.h"
 
 namespace {
 

@@ -9,8 +9,9 @@
 // dequantizing serially between multi-threaded GEMMs left all but one core idle for it (a
 // third of a 256-token prefill), and dequantizing in parallel regions of its own between the
 // GEMM's regions was 3-4x slower on a shared machine (spinning OpenMP workers).
-// Built before the kernels that use it, in the extension's one translation unit (see cpu_ext.SOURCES).
-#include <torch/extension.h>
+// Internal linkage (an anonymous namespace), as in every header here.
+#pragma once
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <algorithm>

@@ -12,13 +12,17 @@
 // two), and no overflow for any scale below 2^68 (the whole factor times a scale above 2^8
 // would be infinite in float32).
 // Subnormal float32 inputs must not be flushed, so DAZ is cleared for the call.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+
+#include "dequant_gemm.h"
+#include "hf_aoq_cpu.h"
+#include "simd.h"
 
 namespace {
 
@@ -76,7 +80,7 @@ inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, 
   }
 }
 
-// One activation row against four weight rows (dot_rows4 in simd.cpp): acc gets the four
+// One activation row against four weight rows (dot_rows4 in simd.h): acc gets the four
 // bit-trick-scaled dot products.
 inline void fp8_dot4(const uint8_t* r0, const float* x, int64_t K, int s, float* acc) {
   dot_rows4(x, r0, K, [s](const uint8_t* p) { return codes_to_scaled_floats(p, s); },

@@ -1,4 +1,6 @@
-// Int4 and int8 weight x float activation on CPU.
+// The int4 kernels on hf_aoq's CPU "pairs" layout, shared by Int4Tensor (int4.cpp) and
+// Int4DQTensor (int4dq.cpp): templates over a parameter provider P (below), so that each format
+// supplies only its per-group scale and zero.
 //
 // aten's kernels for these formats are built for bf16 activations and are compute-bound:
 // `_weight_int4pack_mm_for_cpu` takes about 3x the time the weight bytes need at batch 1, and
@@ -14,12 +16,10 @@
 //              activation dtype that the reference (dequantize, then F.linear in that dtype)
 //              does. The integer sums are exact, so a row's result does not depend on the rows
 //              computed with it.
-//   few rows otherwise (float32 activations, int8 weights): each weight row block is read once
-//              and dotted with every activation row in float32 (a GEMV that streams the weight).
-//              (The int8 GEMV already reads its weight at about the machine's bandwidth: int16
-//              codes gain nothing there.)
+//   few rows otherwise (float32 activations): each weight row block is read once and dotted
+//              with every activation row in float32 (a GEMV that streams the weight).
 //   many rows otherwise: chunks of the weight are dequantized exactly as the reference does it
-//              and multiplied by float32 GEMM (dequant_gemm.cpp); nothing is cached.
+//              and multiplied by float32 GEMM (dequant_gemm.h); nothing is cached.
 //
 // Int4 weights are read in hf_aoq's CPU "pairs" layout (int4_repack_pairs), made for the
 // integer multiply-add over column pairs. Per block of 32 output rows n0..n0+31 and per column
@@ -27,47 +27,31 @@
 // 2j+1), i = 0..7, hold in nibble t (bits 4t..4t+3) the code of row n0 + 8t + i. So one 32-bit
 // lane holds one row's two codes, and shifting and masking the words yields rows 8t..8t+7 of
 // both columns at once. A last block of 16 rows holds 16 bytes per column pair: words 2i, 2i+1
-// for i = 0..3, nibble t: row n0 + 4t + i. Scale and zero: [groups, N, 2]. The weight is
-// (q - 8) * scale + zero. Int4DQTensor (at the end) reads the same code layout with its own
-// per-group parameters.
-#include <torch/extension.h>
+// for i = 0..3, nibble t: row n0 + 4t + i. int4_repack_pairs (int4.cpp) makes the layout.
+//
+// Internal linkage (an anonymous namespace), as in every header here: each translation unit
+// gets its own copy, compiled with that unit's instruction-set flags.
+#pragma once
+#include <torch/types.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#include "dequant_gemm.h"
+
 namespace {
 
 constexpr int64_t BLOCK_N = 32;
 
-template <typename T>
-inline float as_float(T v) { return static_cast<float>(v); }
-
 // Per-(group, row-block) parameters of the int4 kernels: a provider fills s[r] and z[r] for rows
 // [n0, n0 + rows) of group g, and the weight is (q - P::offset) * s + z. The GEMV folds the
 // offset into zc = z - offset * s.
-// Int4Tensor: scale and zero from scale_zero [groups, N, 2], offset 8.
-template <typename T>
-struct ScaleZeroParams {
-  static constexpr float offset = 8.f;
-  const T* sz;
-  int64_t N;
-  void operator()(int64_t g, int64_t n0, int64_t rows, float* s, float* z) const {
-    const T* p = sz + (g * N + n0) * 2;
-    for (int64_t r = 0; r < rows; ++r) {
-      s[r] = as_float(p[2 * r]);
-      z[r] = as_float(p[2 * r + 1]);
-    }
-  }
-};
 
 // Code of row r (0..rows-1) at column k inside a block whose bytes start at `blk`.
 inline int code_at(const uint8_t* blk, int64_t rows, int64_t k, int64_t r) {
@@ -508,389 +492,3 @@ void int4_linear(const torch::Tensor& x, const uint8_t* w, const P& params, torc
 }
 
 }  // namespace
-
-// x: float32 [M, K] contiguous, K a multiple of group_size; packed: uint8 [N, K/2] in the pairs
-// layout (int4_repack_pairs); scale_zero: [K/group_size, N, 2] float32, bfloat16 or float16.
-// int16_activations: x holds half-precision values (see the top of this file); else the float32
-// GEMV at up to gemv_max_rows rows, dequantize + GEMM above. Returns float32 [M, N].
-torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
-                              int64_t gemv_max_rows, bool int16_activations) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
-              "packed: contiguous uint8 [N, K/2]");
-  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "K must be a multiple of an even group_size");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == K / group_size && scale_zero.size(1) == N &&
-                  scale_zero.size(2) == 2 && scale_zero.is_contiguous(),
-              "scale_zero: contiguous [K/group_size, N, 2]");
-  auto y = torch::empty({M, N}, x.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  auto run = [&](auto* sz) {
-    const ScaleZeroParams<std::remove_const_t<std::remove_pointer_t<decltype(sz)>>> params{sz, N};
-    int4_linear(x, w, params, y, N, group_size, gemv_max_rows, int16_activations);
-  };
-  switch (scale_zero.scalar_type()) {
-    case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
-    case torch::kBFloat16: run(scale_zero.data_ptr<c10::BFloat16>()); break;
-    case torch::kFloat16: run(scale_zero.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "scale_zero: float32, bfloat16 or float16");
-  }
-  return y;
-}
-
-namespace {
-
-#if defined(__AVX2__)
-inline __m256 int8x8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// One activation row against weight rows n..n+3 (dot_rows4 in simd.cpp).
-inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, float* out) {
-  dot_rows4(x, q + n * K, K, [](const int8_t* p) { return int8x8(p); }, [](int8_t c) { return float(c); }, out);
-}
-#endif
-
-// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row four weight rows at a time,
-// more rows two activation rows at a time.
-void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
-#if defined(__AVX2__)
-  if (M == 1 && N % 4 == 0) {
-    at::parallel_for(0, N / 4, 4, [&](int64_t b0, int64_t b1) {
-      float d[4];
-      for (int64_t b = b0; b < b1; ++b) {
-        int8_dot4(x, q, K, 4 * b, d);
-        for (int j = 0; j < 4; ++j) y[4 * b + j] = d[j] * scale[4 * b + j];
-      }
-    });
-    return;
-  }
-#endif
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n) {
-      const int8_t* row = q + n * K;
-      for (int64_t m0 = 0; m0 < M; m0 += 2) {
-        const bool two = m0 + 1 < M;
-        const float* x0 = x + m0 * K;
-        const float* x1 = x + (two ? m0 + 1 : m0) * K;
-        float a0 = 0.f, a1 = 0.f;
-        int64_t k = 0;
-#if defined(__AVX2__)
-        __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
-        __m256 u0 = _mm256_setzero_ps(), u1 = _mm256_setzero_ps();
-        for (; k + 16 <= K; k += 16) {
-          const __m256 wa = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
-          const __m256 wb = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8))));
-          v0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), wa, v0);
-          u0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k + 8), wb, u0);
-          if (two) {
-            v1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k), wa, v1);
-            u1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k + 8), wb, u1);
-          }
-        }
-        a0 = hsum(_mm256_add_ps(v0, u0));
-        a1 = hsum(_mm256_add_ps(v1, u1));
-#endif
-        for (; k < K; ++k) {
-          a0 += x0[k] * float(row[k]);
-          a1 += x1[k] * float(row[k]);
-        }
-        y[m0 * N + n] = a0 * scale[n];
-        if (two) y[(m0 + 1) * N + n] = a1 * scale[n];
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
-// [M, N]. Many rows: chunks of q * scale (the reference's float32 dequantization) and GEMM.
-// (Int16 activation codes, as the int4 GEMV takes, do not pay here: at batch 1 the int8 GEMV
-// already reads the weight at about the machine's bandwidth; measured 51.3 against 50.6 ms for
-// a TinyLlama token's linears.)
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous() && q.size(1) == x.size(1),
-              "q: contiguous int8 [N, K]");
-  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == q.size(0) && scale.is_contiguous(), "scale: float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  if (M <= gemv_max_rows) {
-    int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
-    return y;
-  }
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, [&](int64_t n0, int64_t n1, float* buf) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* row = qp + n * K;
-      float* o = buf + (n - n0) * K;
-      const float s = sp[n];
-      for (int64_t k = 0; k < K; ++k) o[k] = float(row[k]) * s;
-    }
-  });
-  return y;
-}
-
-// Canonical int4 bytes (uint8 [N, K/2], code of column k in the low nibble of byte k/2 for even
-// k, the high nibble for odd k) -> the pairs layout described at the top, for K padded to
-// `padded_k` with code 8 (the padding the kernels' zero input columns meet). uint8 [N, padded_k/2].
-// Placing a weight for the CPU kernels at load; cpu.py's pairs_int4pack_bytes is the same
-// mapping in torch ops (and its test).
-torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k) {
-  TORCH_CHECK(canonical.dtype() == torch::kUInt8 && canonical.dim() == 2 && canonical.is_contiguous(),
-              "canonical: contiguous uint8 [N, K/2]");
-  const int64_t N = canonical.size(0), half = canonical.size(1), K = 2 * half;
-  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(padded_k >= K && padded_k % 2 == 0, "padded_k: even, at least K");
-  auto out = torch::empty({N, padded_k / 2}, canonical.options());
-  const uint8_t* c = canonical.data_ptr<uint8_t>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t pairs = padded_k / 2;
-  // Canonical byte j of a row holds both codes of column pair j: column 2j low, 2j + 1 high.
-  auto byte_at = [&](int64_t n, int64_t j) -> uint8_t { return j < half ? c[n * half + j] : uint8_t(0x88); };
-  at::parallel_for(0, (N + BLOCK_N - 1) / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
-    uint8_t src[BLOCK_N];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - n0), lanes = rows / 4;
-      uint8_t* dst = o + n0 * pairs;  // `rows` bytes per column pair
-      for (int64_t j = 0; j < pairs; ++j) {
-        for (int64_t r = 0; r < rows; ++r) src[r] = byte_at(n0 + r, j);
-        uint8_t* d = dst + j * rows;
-        for (int64_t i = 0; i < lanes; ++i)
-          for (int p = 0; p < 2; ++p)      // column 2j + p: word 2i + p
-            for (int h = 0; h < 2; ++h) {  // byte h of the word: nibbles t = 2h (low), 2h + 1 (high)
-              const int lo = (src[(2 * h) * lanes + i] >> (4 * p)) & 15;
-              const int hi = (src[(2 * h + 1) * lanes + i] >> (4 * p)) & 15;
-              d[4 * i + 2 * p + h] = static_cast<uint8_t>(lo | (hi << 4));
-            }
-      }
-    }
-  });
-  return out;
-}
-
-
-// Int4DQTensor: the int4 codes above (the same pairs layout, with code 8 padding) whose per-group
-// scale d and centre c are 4-bit codes a, b (gparams: a low nibble, b high nibble) between
-// per-row ends decoded from 8-bit log codes (rparams: kd_lo, kd_hi, kc_lo, kc_hi) and two
-// per-tensor values (tparams: T_d, T_c):
-//   LUT[j] = float32(2^(-j/32)), j = 0..31
-//   dval(k) = 0 if k == 255 else (T_d * LUT[k % 32]) * 2^-(k / 32)
-//   cval(k) = 0 if (k & 127) == 127 else +-(T_c * LUT[2 * (m % 16)]) * 2^-(m / 16), m = k & 127,
-//             negative when k >= 128
-//   dstep = (dhi - dlo) / 15, cstep = (chi - clo) / 15
-//   d = dlo + a * dstep, c = clo + b * cstep, w = (q - 7.5) * d + c
-// all in float32, each multiply and add rounded on its own.
-namespace {
-
-// (dlo, dstep, clo, cstep) of N rows from rparams [N, 4] into out [N, 4].
-void int4dq_decode_rows(const uint8_t* rp, float td, float tc, float* out, int64_t N) {
-  float lut[32], pow2[8];
-  for (int j = 0; j < 32; ++j) lut[j] = static_cast<float>(std::exp2(-j / 32.0));
-  // 2^-e for e = 0..7: multiplying by it is exact, as ldexp is, and much cheaper per row.
-  for (int e = 0; e < 8; ++e) pow2[e] = std::ldexp(1.f, -e);
-  auto dval = [&](int k) -> float { return k == 255 ? 0.f : (td * lut[k & 31]) * pow2[k >> 5]; };
-  auto cval = [&](int k) -> float {
-    const int m = k & 127;
-    if (m == 127) return 0.f;
-    const float v = (tc * lut[2 * (m & 15)]) * pow2[m >> 4];
-    return (k >> 7) ? -v : v;
-  };
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* r = rp + n * 4;
-    const float dlo = dval(r[0]), dhi = dval(r[1]), clo = cval(r[2]), chi = cval(r[3]);
-    out[n * 4 + 0] = dlo;
-    out[n * 4 + 1] = (dhi - dlo) / 15.f;
-    out[n * 4 + 2] = clo;
-    out[n * 4 + 3] = (chi - clo) / 15.f;
-  }
-}
-
-// The int4 kernels' parameter provider for Int4DQTensor: d and c of rows [n0, n0 + rows) in
-// group g from gparams_t [G, N] (one group's bytes contiguous over rows) and the decoded rows,
-// held as four arrays (dlo, dstep, clo, cstep) so that the loop over rows vectorizes.
-struct DQParams {
-  static constexpr float offset = 7.5f;
-  const uint8_t* gp;  // [G, N]
-  const float* dlo;
-  const float* dstep;
-  const float* clo;
-  const float* cstep;
-  int64_t N;
-  void operator()(int64_t g, int64_t n0, int64_t rows, float* __restrict d, float* __restrict c) const {
-    const uint8_t* __restrict p = gp + g * N + n0;
-    const float* __restrict l0 = dlo + n0;
-    const float* __restrict s0 = dstep + n0;
-    const float* __restrict l1 = clo + n0;
-    const float* __restrict s1 = cstep + n0;
-#if defined(__AVX2__)
-    if (rows == BLOCK_N) {  // the same multiply and add, eight rows at a time
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
-        const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-        const __m256 b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        _mm256_storeu_ps(d + 8 * j, _mm256_add_ps(_mm256_loadu_ps(l0 + 8 * j), _mm256_mul_ps(a, _mm256_loadu_ps(s0 + 8 * j))));
-        _mm256_storeu_ps(c + 8 * j, _mm256_add_ps(_mm256_loadu_ps(l1 + 8 * j), _mm256_mul_ps(b, _mm256_loadu_ps(s1 + 8 * j))));
-      }
-      return;
-    }
-#endif
-    for (int64_t r = 0; r < rows; ++r) {
-      const float a = static_cast<float>(p[r] & 15), b = static_cast<float>(p[r] >> 4);
-      d[r] = l0[r] + a * s0[r];
-      c[r] = l1[r] + b * s1[r];
-    }
-  }
-};
-
-torch::Tensor int4dq_decode(const torch::Tensor& rparams, const torch::Tensor& tparams) {
-  TORCH_CHECK(rparams.dtype() == torch::kUInt8 && rparams.dim() == 2 && rparams.size(1) == 4,
-              "rparams: uint8 [N, 4]");
-  TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.numel() == 2, "tparams: float32 [2]");
-  auto rp = rparams.contiguous();
-  auto tp = tparams.contiguous();
-  const int64_t N = rp.size(0);
-  auto out = torch::empty({N, 4}, tp.options());
-  const float* t = tp.data_ptr<float>();
-  int4dq_decode_rows(rp.data_ptr<uint8_t>(), t[0], t[1], out.data_ptr<float>(), N);
-  return out;
-}
-
-}  // namespace
-
-// (dlo, dstep, clo, cstep) per row, float32 [N, 4], as the Int4DQTensor kernels decode them.
-torch::Tensor int4dq_row_params(torch::Tensor rparams, torch::Tensor tparams) { return int4dq_decode(rparams, tparams); }
-
-// x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
-// packed: uint8 [N, Kp/2] in the pairs layout (int4_repack_pairs of the canonical codes);
-// gparams_t: uint8 [Kp/group_size, N] contiguous (the canonical gparams transposed); rparams:
-// uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: through int16 activation codes
-// when int16_activations, else the float32 GEMV at up to gemv_max_rows rows and above them chunks
-// dequantized exactly as the format defines and float32 GEMM.
-torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
-                            torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
-              "packed: contiguous uint8 [N, Kp/2]");
-  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
-  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
-                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
-              "gparams_t: contiguous uint8 [Kp/group_size, N]");
-  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
-  auto rows = int4dq_decode(rparams, tparams).t().contiguous();  // [4, N]: dlo, dstep, clo, cstep
-  const float* rp = rows.data_ptr<float>();
-  const DQParams params{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N};
-  auto y = torch::empty({M, N}, x.options());
-  int4_linear(x, packed.data_ptr<uint8_t>(), params, y, N, group_size, gemv_max_rows, int16_activations);
-  return y;
-}
-
-// Int4DQTensor's quantizer search (int4dq.py `_quantize_rows`), the same arithmetic in C++.
-// For each group, the 3x3 (scale index, centre index) candidates around (a0, b0), in the
-// Python order (scale outer, centre inner; the first of equal errors wins): codes
-// q = clamp(round((x - c) / d + 7.5), 0, 15) (8 where d <= 0) and the squared error
-// sum(((q - 7.5) * d + c - x)^2) over the group's real columns. Only the error's summation order
-// differs from the Python path (which sums with torch), so a near tie can go the other way.
-// x: float32 [N, G * g] contiguous, the last group padded; k: real columns; a0, b0: uint8
-// [N, G]; rows: float32 [N, 4] (dlo, dstep, clo, cstep). Returns (codes uint8 [N, G * g], a, b).
-namespace {
-
-#if defined(__AVX2__)
-// Codes of 8 values and their squared errors (as the scalar code below computes them).
-inline __m256 dq_codes8(const float* xp, __m256 d, __m256 c, bool dpos, __m256* qout) {
-  const __m256 x = _mm256_loadu_ps(xp), half15 = _mm256_set1_ps(7.5f);
-  __m256 q;
-  if (dpos) {
-    q = _mm256_add_ps(_mm256_div_ps(_mm256_sub_ps(x, c), d), half15);
-    q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    q = _mm256_min_ps(_mm256_max_ps(q, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
-  } else {
-    q = _mm256_set1_ps(8.f);
-  }
-  *qout = q;
-  const __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(q, half15), d), c), x);
-  return _mm256_mul_ps(r, r);
-}
-#endif
-
-inline float dq_code1(float x, float d, float c) {
-  if (!(d > 0.f)) return 8.f;
-  float q = std::nearbyint((x - c) / d + 7.5f);
-  return std::min(std::max(q, 0.f), 15.f);
-}
-
-}  // namespace
-
-std::vector<torch::Tensor> int4dq_search(torch::Tensor x, torch::Tensor a0, torch::Tensor b0, torch::Tensor rows,
-                                         int64_t g, int64_t k) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [N, G*g]");
-  const int64_t N = x.size(0), W = x.size(1);
-  TORCH_CHECK(g > 0 && W % g == 0 && k > W - g && k <= W, "x: [N, G*g] with k real columns in its last group");
-  const int64_t G = W / g;
-  TORCH_CHECK(a0.dtype() == torch::kUInt8 && b0.dtype() == torch::kUInt8 && a0.is_contiguous() && b0.is_contiguous() &&
-                  a0.numel() == N * G && b0.numel() == N * G,
-              "a0, b0: contiguous uint8 [N, G]");
-  TORCH_CHECK(rows.dtype() == torch::kFloat32 && rows.is_contiguous() && rows.numel() == N * 4, "rows: float32 [N, 4]");
-  auto codes = torch::empty({N, W}, x.options().dtype(torch::kUInt8));
-  auto a_out = torch::empty({N, G}, a0.options()), b_out = torch::empty({N, G}, b0.options());
-  const float* xp = x.data_ptr<float>();
-  const float* rp = rows.data_ptr<float>();
-  const uint8_t *ap = a0.data_ptr<uint8_t>(), *bp = b0.data_ptr<uint8_t>();
-  uint8_t *cp = codes.data_ptr<uint8_t>(), *aop = a_out.data_ptr<uint8_t>(), *bop = b_out.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> q(g), best_q(g);
-    for (int64_t n = n0; n < n1; ++n) {
-      const float dlo = rp[4 * n], dstep = rp[4 * n + 1], clo = rp[4 * n + 2], cstep = rp[4 * n + 3];
-      for (int64_t j = 0; j < G; ++j) {
-        const float* xg = xp + n * W + j * g;
-        const int64_t real = std::min(g, k - j * g);
-        float best_err = 0.f;
-        int best_a = -1, best_b = -1;
-        for (int da = -1; da <= 1; ++da) {
-          for (int db = -1; db <= 1; ++db) {
-            const int a = std::min(std::max(int(ap[n * G + j]) + da, 0), 15);
-            const int b = std::min(std::max(int(bp[n * G + j]) + db, 0), 15);
-            const float d = dlo + float(a) * dstep, c = clo + float(b) * cstep;
-            float err = 0.f;
-            int64_t i = 0;
-#if defined(__AVX2__)
-            if (real == g) {
-              __m256 acc = _mm256_setzero_ps();
-              const __m256 dv = _mm256_set1_ps(d), cv = _mm256_set1_ps(c);
-              for (; i + 8 <= g; i += 8) {
-                __m256 qv;
-                acc = _mm256_add_ps(acc, dq_codes8(xg + i, dv, cv, d > 0.f, &qv));
-                _mm256_storeu_ps(q.data() + i, qv);
-              }
-              err = hsum(acc);
-            }
-#endif
-            for (; i < g; ++i) {
-              q[i] = dq_code1(xg[i], d, c);
-              if (i < real) {
-                const float r = ((q[i] - 7.5f) * d + c) - xg[i];
-                err += r * r;
-              }
-            }
-            if (best_a < 0 || err < best_err) {
-              best_err = err;
-              best_a = a;
-              best_b = b;
-              std::swap(q, best_q);
-            }
-          }
-        }
-        uint8_t* cg = cp + n * W + j * g;
-        for (int64_t i = 0; i < g; ++i) cg[i] = static_cast<uint8_t>(best_q[i]);
-        aop[n * G + j] = static_cast<uint8_t>(best_a);
-        bop[n * G + j] = static_cast<uint8_t>(best_b);
-      }
-    }
-  });
-  return {codes, a_out, b_out};
-}

@@ -1,6 +1,7 @@
-// AVX2 building blocks shared by the CPU kernels (built first in the extension's one translation
-// unit; see cpu_ext.SOURCES).
-#include <torch/extension.h>
+// AVX2 building blocks shared by the CPU kernels. Internal linkage (an anonymous namespace):
+// each translation unit gets its own copy, compiled with that unit's instruction-set flags.
+#pragma once
+#include <cstdint>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif

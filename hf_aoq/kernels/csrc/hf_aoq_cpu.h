@@ -1,0 +1,38 @@
+// The extension's Python-visible functions (cpu_ext.FUNCTIONS), one declaration each; each is
+// defined, with its documentation, in the source named beside it. Each source is its own
+// translation unit; cpu_ext.py generates the Python binding from this list.
+#pragma once
+#include <torch/types.h>
+#include <vector>
+
+// int4.cpp: Int4Tensor on the pairs layout, and the repacking into it.
+torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
+                              int64_t gemv_max_rows, bool int16_activations);
+torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k);
+
+// int4dq.cpp: Int4DQTensor on the pairs layout.
+torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                            torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations);
+
+// int4dq_search.cpp: Int4DQTensor's quantize-time helpers.
+torch::Tensor int4dq_row_params(torch::Tensor rparams, torch::Tensor tparams);
+std::vector<torch::Tensor> int4dq_search(torch::Tensor x, torch::Tensor a0, torch::Tensor b0, torch::Tensor rows,
+                                         int64_t g, int64_t k);
+
+// int8.cpp
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows);
+
+// fp8.cpp
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row_scale, int64_t shift);
+torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift);
+
+// linear_io.cpp: F.linear(x, weight, bias) per format in one call.
+torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
+                                 int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
+torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                               torch::Tensor tparams, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
+                               int64_t gemv_max_rows);
+torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                             int64_t gemv_max_rows);
+torch::Tensor fp8_linear_io(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
+                            c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);

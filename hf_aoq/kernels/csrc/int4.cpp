@@ -1,0 +1,103 @@
+// Int4Tensor's CPU kernels: F.linear on the pairs layout (int4_pairs.h) with the format's
+// scale and zero ([groups, N, 2]; the weight is (q - 8) * scale + zero), and the repacking of
+// the canonical codes into that layout.
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <type_traits>
+
+#include "hf_aoq_cpu.h"
+#include "int4_pairs.h"
+
+namespace {
+
+template <typename T>
+inline float as_float(T v) { return static_cast<float>(v); }
+
+// The int4 kernels' parameter provider (int4_pairs.h) for Int4Tensor: scale and zero from
+// scale_zero [groups, N, 2], offset 8.
+template <typename T>
+struct ScaleZeroParams {
+  static constexpr float offset = 8.f;
+  const T* sz;
+  int64_t N;
+  void operator()(int64_t g, int64_t n0, int64_t rows, float* s, float* z) const {
+    const T* p = sz + (g * N + n0) * 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      s[r] = as_float(p[2 * r]);
+      z[r] = as_float(p[2 * r + 1]);
+    }
+  }
+};
+
+}  // namespace
+
+// x: float32 [M, K] contiguous, K a multiple of group_size; packed: uint8 [N, K/2] in the pairs
+// layout (int4_repack_pairs); scale_zero: [K/group_size, N, 2] float32, bfloat16 or float16.
+// int16_activations: x holds half-precision values (see int4_pairs.h); else the float32
+// GEMV at up to gemv_max_rows rows, dequantize + GEMM above. Returns float32 [M, N].
+torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
+                              int64_t gemv_max_rows, bool int16_activations) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
+              "packed: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "K must be a multiple of an even group_size");
+  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == K / group_size && scale_zero.size(1) == N &&
+                  scale_zero.size(2) == 2 && scale_zero.is_contiguous(),
+              "scale_zero: contiguous [K/group_size, N, 2]");
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  auto run = [&](auto* sz) {
+    const ScaleZeroParams<std::remove_const_t<std::remove_pointer_t<decltype(sz)>>> params{sz, N};
+    int4_linear(x, w, params, y, N, group_size, gemv_max_rows, int16_activations);
+  };
+  switch (scale_zero.scalar_type()) {
+    case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
+    case torch::kBFloat16: run(scale_zero.data_ptr<c10::BFloat16>()); break;
+    case torch::kFloat16: run(scale_zero.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "scale_zero: float32, bfloat16 or float16");
+  }
+  return y;
+}
+
+// Canonical int4 bytes (uint8 [N, K/2], code of column k in the low nibble of byte k/2 for even
+// k, the high nibble for odd k) -> the pairs layout (int4_pairs.h), for K padded to
+// `padded_k` with code 8 (the padding the kernels' zero input columns meet). uint8 [N, padded_k/2].
+// Placing a weight for the CPU kernels at load; cpu.py's pairs_int4pack_bytes is the same
+// mapping in torch ops (and its test).
+torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k) {
+  TORCH_CHECK(canonical.dtype() == torch::kUInt8 && canonical.dim() == 2 && canonical.is_contiguous(),
+              "canonical: contiguous uint8 [N, K/2]");
+  const int64_t N = canonical.size(0), half = canonical.size(1), K = 2 * half;
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(padded_k >= K && padded_k % 2 == 0, "padded_k: even, at least K");
+  auto out = torch::empty({N, padded_k / 2}, canonical.options());
+  const uint8_t* c = canonical.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t pairs = padded_k / 2;
+  // Canonical byte j of a row holds both codes of column pair j: column 2j low, 2j + 1 high.
+  auto byte_at = [&](int64_t n, int64_t j) -> uint8_t { return j < half ? c[n * half + j] : uint8_t(0x88); };
+  at::parallel_for(0, (N + BLOCK_N - 1) / BLOCK_N, 1, [&](int64_t b0, int64_t b1) {
+    uint8_t src[BLOCK_N];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - n0), lanes = rows / 4;
+      uint8_t* dst = o + n0 * pairs;  // `rows` bytes per column pair
+      for (int64_t j = 0; j < pairs; ++j) {
+        for (int64_t r = 0; r < rows; ++r) src[r] = byte_at(n0 + r, j);
+        uint8_t* d = dst + j * rows;
+        for (int64_t i = 0; i < lanes; ++i)
+          for (int p = 0; p < 2; ++p)      // column 2j + p: word 2i + p
+            for (int h = 0; h < 2; ++h) {  // byte h of the word: nibbles t = 2h (low), 2h + 1 (high)
+              const int lo = (src[(2 * h) * lanes + i] >> (4 * p)) & 15;
+              const int hi = (src[(2 * h + 1) * lanes + i] >> (4 * p)) & 15;
+              d[4 * i + 2 * p + h] = static_cast<uint8_t>(lo | (hi << 4));
+            }
+      }
+    }
+  });
+  return out;
+}

@@ -1,0 +1,124 @@
+// Int4DQTensor: the int4 codes of int4_pairs.h (the same pairs layout, with code 8 padding) whose per-group
+// scale d and centre c are 4-bit codes a, b (gparams: a low nibble, b high nibble) between
+// per-row ends decoded from 8-bit log codes (rparams: kd_lo, kd_hi, kc_lo, kc_hi) and two
+// per-tensor values (tparams: T_d, T_c):
+//   LUT[j] = float32(2^(-j/32)), j = 0..31
+//   dval(k) = 0 if k == 255 else (T_d * LUT[k % 32]) * 2^-(k / 32)
+//   cval(k) = 0 if (k & 127) == 127 else +-(T_c * LUT[2 * (m % 16)]) * 2^-(m / 16), m = k & 127,
+//             negative when k >= 128
+//   dstep = (dhi - dlo) / 15, cstep = (chi - clo) / 15
+//   d = dlo + a * dstep, c = clo + b * cstep, w = (q - 7.5) * d + c
+// all in float32, each multiply and add rounded on its own.
+#include <torch/types.h>
+#include <cmath>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "hf_aoq_cpu.h"
+#include "int4_pairs.h"
+#include "int4dq_rows.h"
+
+namespace {
+
+// (dlo, dstep, clo, cstep) of N rows from rparams [N, 4] into out [N, 4].
+void int4dq_decode_rows(const uint8_t* rp, float td, float tc, float* out, int64_t N) {
+  float lut[32], pow2[8];
+  for (int j = 0; j < 32; ++j) lut[j] = static_cast<float>(std::exp2(-j / 32.0));
+  // 2^-e for e = 0..7: multiplying by it is exact, as ldexp is, and much cheaper per row.
+  for (int e = 0; e < 8; ++e) pow2[e] = std::ldexp(1.f, -e);
+  auto dval = [&](int k) -> float { return k == 255 ? 0.f : (td * lut[k & 31]) * pow2[k >> 5]; };
+  auto cval = [&](int k) -> float {
+    const int m = k & 127;
+    if (m == 127) return 0.f;
+    const float v = (tc * lut[2 * (m & 15)]) * pow2[m >> 4];
+    return (k >> 7) ? -v : v;
+  };
+  for (int64_t n = 0; n < N; ++n) {
+    const uint8_t* r = rp + n * 4;
+    const float dlo = dval(r[0]), dhi = dval(r[1]), clo = cval(r[2]), chi = cval(r[3]);
+    out[n * 4 + 0] = dlo;
+    out[n * 4 + 1] = (dhi - dlo) / 15.f;
+    out[n * 4 + 2] = clo;
+    out[n * 4 + 3] = (chi - clo) / 15.f;
+  }
+}
+
+// The int4 kernels' parameter provider for Int4DQTensor: d and c of rows [n0, n0 + rows) in
+// group g from gparams_t [G, N] (one group's bytes contiguous over rows) and the decoded rows,
+// held as four arrays (dlo, dstep, clo, cstep) so that the loop over rows vectorizes.
+struct DQParams {
+  static constexpr float offset = 7.5f;
+  const uint8_t* gp;  // [G, N]
+  const float* dlo;
+  const float* dstep;
+  const float* clo;
+  const float* cstep;
+  int64_t N;
+  void operator()(int64_t g, int64_t n0, int64_t rows, float* __restrict d, float* __restrict c) const {
+    const uint8_t* __restrict p = gp + g * N + n0;
+    const float* __restrict l0 = dlo + n0;
+    const float* __restrict s0 = dstep + n0;
+    const float* __restrict l1 = clo + n0;
+    const float* __restrict s1 = cstep + n0;
+#if defined(__AVX2__)
+    if (rows == BLOCK_N) {  // the same multiply and add, eight rows at a time
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
+        const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        const __m256 b = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        _mm256_storeu_ps(d + 8 * j, _mm256_add_ps(_mm256_loadu_ps(l0 + 8 * j), _mm256_mul_ps(a, _mm256_loadu_ps(s0 + 8 * j))));
+        _mm256_storeu_ps(c + 8 * j, _mm256_add_ps(_mm256_loadu_ps(l1 + 8 * j), _mm256_mul_ps(b, _mm256_loadu_ps(s1 + 8 * j))));
+      }
+      return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+      const float a = static_cast<float>(p[r] & 15), b = static_cast<float>(p[r] >> 4);
+      d[r] = l0[r] + a * s0[r];
+      c[r] = l1[r] + b * s1[r];
+    }
+  }
+};
+
+}  // namespace
+
+// See int4dq_rows.h.
+torch::Tensor int4dq_decode(const torch::Tensor& rparams, const torch::Tensor& tparams) {
+  TORCH_CHECK(rparams.dtype() == torch::kUInt8 && rparams.dim() == 2 && rparams.size(1) == 4,
+              "rparams: uint8 [N, 4]");
+  TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.numel() == 2, "tparams: float32 [2]");
+  auto rp = rparams.contiguous();
+  auto tp = tparams.contiguous();
+  const int64_t N = rp.size(0);
+  auto out = torch::empty({N, 4}, tp.options());
+  const float* t = tp.data_ptr<float>();
+  int4dq_decode_rows(rp.data_ptr<uint8_t>(), t[0], t[1], out.data_ptr<float>(), N);
+  return out;
+}
+
+// x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
+// packed: uint8 [N, Kp/2] in the pairs layout (int4_repack_pairs of the canonical codes);
+// gparams_t: uint8 [Kp/group_size, N] contiguous (the canonical gparams transposed); rparams:
+// uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: through int16 activation codes
+// when int16_activations, else the float32 GEMV at up to gemv_max_rows rows and above them chunks
+// dequantized exactly as the format defines and float32 GEMM.
+torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                            torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
+              "packed: contiguous uint8 [N, Kp/2]");
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
+  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
+                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
+              "gparams_t: contiguous uint8 [Kp/group_size, N]");
+  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
+  auto rows = int4dq_decode(rparams, tparams).t().contiguous();  // [4, N]: dlo, dstep, clo, cstep
+  const float* rp = rows.data_ptr<float>();
+  const DQParams params{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N};
+  auto y = torch::empty({M, N}, x.options());
+  int4_linear(x, packed.data_ptr<uint8_t>(), params, y, N, group_size, gemv_max_rows, int16_activations);
+  return y;
+}
