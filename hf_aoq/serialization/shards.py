@@ -270,6 +270,7 @@ def _one_save(source: str, headers: dict[str, Header], index: Index | None) -> s
         groups.setdefault(value, []).append(_name(f))
     parts = []
     for value, names in groups.items():
+        names.sort()
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         parts.append(f"{'no save id' if value is None else 'save ' + value[:12]} in {shown}")
     if index is not None and index.save_id is not None:
