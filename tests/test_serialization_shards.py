@@ -263,3 +263,20 @@ def test_write_atomic(tmp_path, monkeypatch):
         S.write_atomic(path, "{}")
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["config.json"] and path.read_text() == "[1]\n"
+
+
+def test_the_files_a_loader_resolved_must_be_the_checkpoints(sharded, tmp_path):
+    """transformers resolves the files itself (joining the folder and the index's names)."""
+    files = [str(sharded / s) for s in shards_of(sharded)]
+    assert S.read_loader_files(files).save_id is not None
+    stray = tmp_path / "x.safetensors"
+    shutil.copy(files[-1], stray)
+    with pytest.raises(FormatError, match=rf"^{sharded}: the loader reads '{sharded}/../x.safetensors', which is "
+                                          rf"not a file of this checkpoint"):
+        S.read_loader_files(files[:-1] + [f"{sharded}/../x.safetensors"])
+    # A file named otherwise next to a model.safetensors (a variant) is read as given.
+    single = tmp_path / "single"
+    single.mkdir()
+    S.save_file(state_dict(), single / S.WEIGHTS_NAME)
+    S.save_file(state_dict(seed=4), single / "model.fp16.safetensors")
+    assert_same(S.read_loader_files([single / "model.fp16.safetensors"]).state_dict(), state_dict(seed=4))

@@ -186,7 +186,9 @@ def open_checkpoint(path) -> Checkpoint:
 def read_loader_files(files, *, folder_hint: str | None = None) -> Checkpoint:
     """The checkpoint whose files a loader (transformers' from_pretrained) resolved on its own.
     Their folder is found (where most of them are, else `folder_hint`) and read by the same
-    rules as `open_checkpoint`; the loader's files must be exactly the checkpoint's."""
+    rules as `open_checkpoint`; the loader's files must be the checkpoint's. A folder holding
+    neither `model.safetensors` nor an index (files the loader was told to use by name, or
+    variants) is read as the files given."""
     files = [os.fspath(f) for f in files]
     counts = Counter(os.path.dirname(f) for f in files)
     candidates = [d for d, _ in counts.most_common()] + ([os.fspath(folder_hint)] if folder_hint else [])
@@ -196,6 +198,8 @@ def read_loader_files(files, *, folder_hint: str | None = None) -> Checkpoint:
         return read_shards(files, source=os.path.dirname(files[0]) if len(files) > 1 else files[0])
     source, expected, index = checkpoint_files(folder)
     real = {os.path.normpath(os.path.abspath(f)): f for f in expected}
+    if index is None and len(files) == 1 and os.path.normpath(os.path.abspath(files[0])) not in real:
+        return read_shards(files)  # one file named otherwise (a variant, say) next to model.safetensors
     for f in files:
         if os.path.normpath(os.path.abspath(f)) not in real:
             listed = f"the shards {INDEX_NAME} lists" if index is not None else WEIGHTS_NAME
