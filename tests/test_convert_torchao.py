@@ -354,30 +354,6 @@ def test_pickle_checkpoints_are_never_read(tmp_path):
 
 
 # ---------------------------------------------------------------------- other layouts
-def test_sharded_checkpoint_converts_like_one_file(tmp_path, converted):
-    """transformers writes the whole torchao metadata into every shard, next to an index."""
-    src = tmp_path / "src"
-    shutil.copytree(FIXTURES / "intx_int4_g64_asym", src)
-    path = src / "model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata())
-    data = load_file(path)
-    path.unlink()
-    keys = sorted(data)
-    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
-    weight_map = {}
-    for shard, names in halves.items():
-        save_file({k: data[k] for k in names}, str(src / shard), metadata=meta)
-        weight_map.update({k: shard for k in names})
-    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    summary = convert_torchao_checkpoint(src, tmp_path / "out")
-    assert len(summary.tensors) == LINEAR_WEIGHTS
-    assert not any(f.startswith("model-") for f in summary.copied_files)
-    one = load_file(converted["intx_int4_g64_asym"][0] / "model.safetensors")
-    two = load_file(tmp_path / "out" / "model.safetensors")
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
-
-
 def sharded_source(tmp_path):
     """A torchao checkpoint in two shards and an index, as transformers writes one."""
     src = tmp_path / "src"
@@ -395,6 +371,17 @@ def sharded_source(tmp_path):
         weight_map.update({k: shard for k in names})
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return src, weight_map
+
+
+def test_sharded_checkpoint_converts_like_one_file(tmp_path, converted):
+    """transformers writes the whole torchao metadata into every shard, next to an index."""
+    src, _ = sharded_source(tmp_path)
+    summary = convert_torchao_checkpoint(src, tmp_path / "out")
+    assert len(summary.tensors) == LINEAR_WEIGHTS
+    assert not any(f.startswith("model-") for f in summary.copied_files)
+    one = load_file(converted["intx_int4_g64_asym"][0] / "model.safetensors")
+    two = load_file(tmp_path / "out" / "model.safetensors")
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
 @pytest.mark.parametrize("where", ["../x.safetensors", "absolute"])
