@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from ..core.tensor import AOQTensor
-from .common import error, short
+from .common import error, gc_paused, short
 from .metadata import SEPARATOR
 from .shards import INDEX_NAME, SAVE_ID_KEY, WEIGHTS_NAME, check_save_id, new_save_id, open_checkpoint, read_shards
 from .state_dict import flatten_state_dict
@@ -164,13 +164,15 @@ def load_file(path, device: str | torch.device = "cpu") -> dict[str, torch.Tenso
 
     On CPU the tensors view a private map of the file (pages are read when first used); a
     quantized tensor whose `place()` repacks it gets its own memory."""
-    return _placed(read_shards([os.fspath(path)]).state_dict(), device)
+    with gc_paused():  # the whole load: see gc_paused
+        return _placed(read_shards([os.fspath(path)]).state_dict(), device)
 
 
 def load_checkpoint(path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """`load_file` for a whole checkpoint: a folder's `model.safetensors`, or the shards its index
     lists, read and checked as one set (docs/format.md), or one .safetensors file."""
-    return _placed(open_checkpoint(path).state_dict(), device)
+    with gc_paused():
+        return _placed(open_checkpoint(path).state_dict(), device)
 
 
 def _placed(state_dict: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

@@ -39,9 +39,12 @@ class Stored(NamedTuple):
 
     dtype_name: str  # the safetensors name, "BF16"
     dtype: torch.dtype | None  # None for a dtype this reader does not map (left to safetensors)
-    shape: tuple[int, ...]
+    shape: list[int]
     begin: int  # data offsets, relative to the end of the header
     end: int
+
+
+_new_stored = tuple.__new__  # Stored without its Python-level constructor: one per tensor per load
 
 
 @dataclass
@@ -53,12 +56,13 @@ class Header:
     size: int  # bytes in the file
     start: int  # where the data begins
     metadata: dict[str, str] | None
-    tensors: dict[str, Stored]
+    tensors: dict[str, Stored]  # in the order of their data in the file
+    known: bool  # every dtype is one this reader maps
 
     @property
     def mapped(self) -> bool:
         """Whether read_safetensors maps the file itself."""
-        return sys.byteorder == "little" and all(t.dtype is not None for t in self.tensors.values())
+        return self.known and sys.byteorder == "little"
 
 
 def read_safetensors(path) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
@@ -82,7 +86,7 @@ def read_header(path) -> Header:
     source = os.fspath(path)
     with gc_paused():
         header = _read_header(source)
-    if not all(t.dtype is not None for t in header.tensors.values()):
+    if not header.known:
         _read_with_safetensors(source, tensors=False)  # safetensors checks what this reader cannot
     return header
 
@@ -117,8 +121,8 @@ def _read_header(source: str) -> Header:
         raise error(source, f"safetensors __metadata__ must map strings to strings, got {short(metadata)}")
 
     start, data_bytes = 8 + n, size - 8 - n
-    tensors: dict[str, Stored] = {}
-    checkable = True
+    spans = []
+    known = True
     for name, info in header.items():
         if type(info) is not dict or info.keys() != _INFO_KEYS:
             raise error(source, f"header entry must have exactly {sorted(_INFO_KEYS)}, got {short(info)}", name)
@@ -136,17 +140,17 @@ def _read_header(source: str) -> Header:
         ):
             raise error(source, f"data_offsets must be [begin, end] with 0 <= begin <= end, got {short(offsets)}", name)
         if dtype is None:
-            checkable = False  # its size per element is safetensors' business
+            known = False  # its size per element is safetensors' business
         else:
             nbytes = math.prod(shape) * dtype.itemsize
             if offsets[1] - offsets[0] != nbytes:
                 raise error(source, f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
                                     f"but {dtype_name} {shape} needs {nbytes}", name)
-        tensors[name] = Stored(dtype_name, dtype, tuple(shape), offsets[0], offsets[1])
-    if checkable:
-        spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
+        spans.append((offsets[0], offsets[1], name, dtype_name, dtype, shape))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    if known:
         end = 0
-        for begin, stop, name in spans:
+        for begin, stop, name, *_ in spans:
             if begin != end:
                 problem = "overlaps the tensor before it" if begin < end else f"leaves a hole of {begin - end} bytes"
                 raise error(source, f"data at bytes [{begin}, {stop}) {problem}", name)
@@ -155,14 +159,15 @@ def _read_header(source: str) -> Header:
             problem = "truncated" if end > data_bytes else f"{data_bytes - end} bytes longer than its tensors"
             raise error(source, f"not a complete safetensors file: it is {problem} (tensors end at byte {start + end}, "
                                 f"the file has {size})")
-    return Header(source, size, start, metadata, tensors)
+    tensors = {name: _new_stored(Stored, (dn, dt, sh, b, e)) for b, e, name, dn, dt, sh in spans}
+    return Header(source, size, start, metadata, tensors, known)
 
 
 def _map(header: Header) -> dict[str, torch.Tensor]:
     source, size, start = header.source, header.size, header.start
     tensors: dict[str, torch.Tensor] = {}
-    if not any(t.end > t.begin for t in header.tensors.values()):
-        return {name: torch.empty(t.shape, dtype=t.dtype) for name, t in header.tensors.items()}
+    if not header.tensors:
+        return tensors
     try:
         with open(source, "rb") as f:
             # ACCESS_COPY: a private map; writes to a tensor change its pages, never the file.
@@ -171,7 +176,7 @@ def _map(header: Header) -> dict[str, torch.Tensor]:
         raise error(source, f"cannot map the file: {e}") from None
     if len(mapped) != size:
         raise error(source, f"the file changed while it was read ({size} bytes, then {len(mapped)})")
-    for name, (_, dtype, shape, begin, stop) in sorted(header.tensors.items(), key=lambda kv: kv[1].begin):
+    for name, (_, dtype, shape, begin, stop) in header.tensors.items():
         offset = start + begin
         if begin == stop:
             tensors[name] = torch.empty(shape, dtype=dtype)

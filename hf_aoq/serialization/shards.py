@@ -164,6 +164,8 @@ class Checkpoint:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every stored tensor, viewing a private map of its file (data is read when used)."""
+        if len(self.files) == 1:
+            return read_tensors(self.headers[self.files[0]])
         out: dict[str, torch.Tensor] = {}
         for file in self.files:
             out.update(read_tensors(self.headers[file]))
@@ -225,11 +227,15 @@ def read_shards(files, *, index: Index | None = None, source: str | None = None)
     where: dict[str, str] = {}
     ckpt = Checkpoint(source, files, index, headers, where, {}, save_id)
     for f, header in headers.items():
-        for key in header.tensors:
-            other = where.setdefault(key, f)
-            if other != f:
-                problem = f"{short(key, NAME_LIMIT)} is stored in both {_name(other)} and {_name(f)}"
-                ckpt.duplicates.append((key, error(source, problem)))
+        before = len(where)
+        where.update(dict.fromkeys(header.tensors, f))
+        if len(where) != before + len(header.tensors):  # a key of this file is in an earlier one
+            for key in header.tensors:
+                other = next(g for g in files if key in headers[g].tensors)
+                if other != f:
+                    where[key] = other
+                    problem = f"{short(key, NAME_LIMIT)} is stored in both {_name(other)} and {_name(f)}"
+                    ckpt.duplicates.append((key, error(source, problem)))
     seen: set[str] = set()
     described: dict[str, str] = {}  # tensor -> the file whose metadata described it
     for f, header in headers.items():
