@@ -216,7 +216,7 @@ def test_the_quantizer_gets_headers_without_data(sharded):
     ckpt = S.open_checkpoint(sharded)
     ckpt.check()
     stored = ckpt.stored("a.weight:qdata")
-    assert (stored.dtype_name, stored.dtype, stored.shape) == ("U8", torch.uint8, (32, 32))
+    assert (stored.dtype_name, stored.dtype, stored.shape) == ("U8", torch.uint8, [32, 32])
     assert ckpt.save_id is not None and ckpt.format_versions == [1] and set(ckpt.entries) == {"a.weight", "b.weight"}
 
 
