@@ -1,10 +1,9 @@
 """What a saved checkpoint folder holds, tensor by tensor: scheme, shape, bytes before and after
 quantization, and whether each tensor loads; the quantization error against float weights.
 
-Used by `hf-aoq inspect` and by the model card. Files are read with hf_aoq's strict safetensors
-reader (never pickle); the tensors view a private map of the files, so reading a large
-checkpoint costs little memory. A checkpoint written by `save_pretrained` may keep one tensor's
-fields in different shards, so the shards are read as one set.
+Used by `hf-aoq inspect` and by the model card. Files are read with hf_aoq's checkpoint reader
+(`serialization.open_checkpoint`: never pickle), which checks the shards as one set; the tensors
+view a private map of the files, so reading a large checkpoint costs little memory.
 """
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from typing import Any
 import torch
 
 from . import serialization
+from .core import registry
 from .core.errors import AOQError, FormatError
-from .serialization.common import loads_strict
 
 CONFIG_FILE = "config.json"
 
@@ -64,18 +63,8 @@ class CheckpointInfo:
         return [t for t in self.tensors if t.quantized]
 
 
-_SHORT_DTYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-    torch.float8_e4m3fn: "e4m3",
-    torch.float8_e5m2: "e5m2",
-}
-
-
 def short_dtype(dtype: torch.dtype) -> str:
-    return _SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+    return registry.SHORT_DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dtype]) -> str:
@@ -109,16 +98,9 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
 
 
 def checkpoint_files(path) -> list[Path]:
-    """The .safetensors files of a checkpoint folder (or the one file given)."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise AOQError(f"{path}: no such folder")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise AOQError(f"{path}: no .safetensors files; is it a checkpoint folder written by save_pretrained?")
-    return files
+    """The .safetensors files of a checkpoint folder (its model.safetensors, or the shards its
+    index lists), or the one file given."""
+    return [Path(f) for f in serialization.checkpoint_files(path)[1]]
 
 
 def read_quantization_config(path) -> dict[str, Any] | None:
@@ -142,41 +124,22 @@ def read_checkpoint(path, *, build: bool = True) -> CheckpointInfo:
     that is not valid safetensors, or metadata that does not parse, raises FormatError.
     """
     path = Path(path)
-    files = checkpoint_files(path)
-    stored: dict[str, torch.Tensor] = {}
-    where: dict[str, Path] = {}
-    entries: dict[str, serialization.TensorEntry] = {}
-    texts: set[str] = set()
-    info = CheckpointInfo(path, files, [])
-    for file in files:
-        tensors, metadata = serialization.read_safetensors(file)
-        for key, t in tensors.items():
-            if key in stored:
-                info.problems.append(f"{file.name}: key {key!r} is also in {where[key].name}")
-                continue
-            stored[key] = t
-            where[key] = file
-        text = (metadata or {}).get(serialization.METADATA_KEY)
-        if text is None or text in texts:
-            continue
-        texts.add(text)
-        parsed = serialization.parse_metadata(metadata, source=str(file))  # FormatError if malformed
-        header = loads_strict(text)
-        version, writer = header["format_version"], header["hf_aoq_version"]
-        if version not in info.format_versions:
-            info.format_versions.append(version)
-        if writer not in info.writers:
-            info.writers.append(writer)
-        for name, entry in parsed.items():
-            if entries.setdefault(name, entry) != entry:
-                info.problems.append(f"{file.name}: tensor {name!r} is described differently in another shard")
+    ckpt = serialization.open_checkpoint(path)  # FormatError for anything wrong with the set
+    files = [Path(f) for f in ckpt.files]
+    stored = ckpt.tensors()
+    entries = ckpt.entries
+    info = CheckpointInfo(path, files, [], list(ckpt.format_versions), list(ckpt.writers))
+    row_errors: dict[str, str] = {}
+    for name, problem in ckpt.problems():
+        if name in entries:
+            row_errors.setdefault(name, str(problem))
+        else:
+            info.problems.append(str(problem))
     if path.is_dir():
         info.quantization_config = read_quantization_config(path)
 
-    claimed: set[str] = set()
     for name, entry in entries.items():
         fields = {f: stored.get(k) for f, k in entry.keys.items()}
-        claimed.update(entry.keys.values())
         attrs = entry.attributes
         shape = tuple(attrs.get("shape") or ())
         dtype = attrs.get("dtype")
@@ -190,23 +153,15 @@ def read_checkpoint(path, *, build: bool = True) -> CheckpointInfo:
             bytes_after=sum(t.numel() * t.element_size() for t in present.values()),
             quantized=True,
         )
-        missing = sorted(f for f, t in fields.items() if t is None)
-        if missing:
-            row.error = f"field {missing[0]!r}: the metadata lists key {entry.keys[missing[0]]!r}, which is in no file"
-        elif build:
+        row.error = row_errors.get(name)
+        if row.error is None and build:
             try:
-                info.built[name] = entry.build(present, source=str(where[entry.keys[next(iter(present))]]))
+                info.built[name] = entry.build(present, source=ckpt.file_of(entry))
             except (AOQError, FormatError) as e:
                 row.error = str(e)
-        if name in stored:
-            row.error = row.error or "stored both as a plain tensor and as quantized fields"
         info.tensors.append(row)
     for key, t in stored.items():
-        if serialization.SEPARATOR in key:
-            if key not in claimed:
-                info.problems.append(f"{where[key].name}: field key {key!r} is listed by no hf_aoq metadata")
-            continue
-        if key in entries:
+        if serialization.SEPARATOR in key or key in entries:
             continue
         nbytes = t.numel() * t.element_size()
         info.tensors.append(TensorInfo(key, short_dtype(t.dtype), tuple(t.shape), nbytes, nbytes, False))
@@ -235,10 +190,7 @@ def weight_errors(info: CheckpointInfo, float_path) -> dict[str, float]:
     """{quantized tensor: SQNR in dB of its dequantized weight against the float weight of the
     same name in the checkpoint at `float_path`}. Tensors with no float counterpart of the same
     shape are left out."""
-    float_tensors: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(float_path):
-        tensors, _ = serialization.read_safetensors(file)
-        float_tensors.update(tensors)
+    float_tensors = serialization.open_checkpoint(float_path).tensors()
     out = {}
     for name, q in info.built.items():
         ref = float_tensors.get(name)

@@ -2,6 +2,7 @@
 scripts/make_torchao_fixtures.py) convert to hf_aoq, load with from_pretrained, and compute what
 torchao computed; anything malformed or without an exact hf_aoq equivalent is refused by name."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -353,8 +354,8 @@ def test_pickle_checkpoints_are_never_read(tmp_path):
 
 
 # ---------------------------------------------------------------------- other layouts
-def test_sharded_checkpoint_converts_like_one_file(tmp_path, converted):
-    """transformers writes the whole torchao metadata into every shard, next to an index."""
+def sharded_source(tmp_path):
+    """A torchao checkpoint in two shards and an index, as transformers writes one."""
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "intx_int4_g64_asym", src)
     path = src / "model.safetensors"
@@ -363,18 +364,51 @@ def test_sharded_checkpoint_converts_like_one_file(tmp_path, converted):
     data = load_file(path)
     path.unlink()
     keys = sorted(data)
-    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
     weight_map = {}
-    for shard, names in halves.items():
+    for i, names in enumerate((keys[::2], keys[1::2]), 1):
+        shard = f"model-0000{i}-of-00002.safetensors"
         save_file({k: data[k] for k in names}, str(src / shard), metadata=meta)
         weight_map.update({k: shard for k in names})
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return src, weight_map
+
+
+def test_sharded_checkpoint_converts_like_one_file(tmp_path, converted):
+    """transformers writes the whole torchao metadata into every shard, next to an index."""
+    src, _ = sharded_source(tmp_path)
     summary = convert_torchao_checkpoint(src, tmp_path / "out")
     assert len(summary.tensors) == LINEAR_WEIGHTS
     assert not any(f.startswith("model-") for f in summary.copied_files)
     one = load_file(converted["intx_int4_g64_asym"][0] / "model.safetensors")
     two = load_file(tmp_path / "out" / "model.safetensors")
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+@pytest.mark.parametrize("where", ["../x.safetensors", "absolute"])
+def test_a_source_index_naming_a_file_outside_the_folder_is_refused(tmp_path, where):
+    src, weight_map = sharded_source(tmp_path)
+    os.replace(src / "model-00002-of-00002.safetensors", tmp_path / "x.safetensors")
+    name = str(tmp_path / "x.safetensors") if where == "absolute" else where
+    weight_map = {k: name if v.startswith("model-00002") else v for k, v in weight_map.items()}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert_refused(src, tmp_path / "out", "model.safetensors.index.json", "not a .safetensors file in the index's")
+
+
+def test_a_source_with_both_a_single_file_and_an_index_is_refused(tmp_path):
+    src, _ = sharded_source(tmp_path)
+    shutil.copy(FIXTURES / "int8_weight_only" / "model.safetensors", src / "model.safetensors")
+    assert_refused(src, tmp_path / "out", "holds both model.safetensors and model.safetensors.index.json")
+
+
+def test_sharded_output_carries_one_save_id(tmp_path):
+    out = tmp_path / "out"
+    convert_torchao_checkpoint(FIXTURES / "intx_int4_g64_asym", out, max_shard_size=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    ids = set()
+    for shard in set(index["weight_map"].values()):
+        with safe_open(str(out / shard), framework="pt") as f:
+            ids.add(f.metadata()["hf_aoq_save_id"])
+    assert ids == {index["metadata"]["hf_aoq_save_id"]}
 
 
 def test_tied_weight_left_out_by_transformers_is_reported(tmp_path):

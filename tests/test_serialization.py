@@ -571,6 +571,29 @@ def test_metadata_that_is_not_a_mapping_of_strings():
         S.parse_metadata({"hf_aoq": b"{}"})
 
 
+LONG = "v" * 1_000_000
+LONG_METADATA = {
+    "version string": lambda d: d.update(format_version=2, hf_aoq_version=LONG),
+    "version string, newer schema": lambda d: (d.update(hf_aoq_version=LONG), entry(d).update(schema_version=9)),
+    "format version": lambda d: d.update(format_version=int("9" * 4000)),
+    "type name": lambda d: entry(d).update(type=LONG),
+    "tensor name": lambda d: d["tensors"].update({LONG: d["tensors"].pop(W0)}),
+    "field name": lambda d: entry(d)["fields"].update({LONG: f"{W0}:{LONG}"}),
+    "attribute name": lambda d: entry(d)["attributes"].update({LONG: ["int", 1]}),
+    "enum value": lambda d: entry(d, W1)["attributes"].update(act_quant=["enum", LONG]),
+    "dtype name": lambda d: entry(d)["attributes"].update(dtype=["dtype", LONG]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LONG_METADATA))
+def test_untrusted_text_is_cut_in_errors(saved, case):
+    """A 1 MB name or version in a file's metadata is not quoted whole."""
+    rewrite(saved, mutate_doc=LONG_METADATA[case])
+    with pytest.raises(FormatError) as e:
+        S.load_file(saved)
+    assert str(e.value).startswith(f"{saved}: ") and len(str(e.value)) < 1000, str(e.value)[:300]
+
+
 def test_build_refuses_fields_that_are_not_plain_tensors():
     t = CONFIGS["int8_per_row"]()
     tensors, metadata = S.flatten_state_dict({"w": t})

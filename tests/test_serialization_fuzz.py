@@ -1,12 +1,17 @@
-"""Fuzzing the loader: whatever is done to a checkpoint's header, its hf_aoq metadata or its
-tensors, loading either raises FormatError or returns tensors that work. Never another
-exception, never a hang (every parse here is linear in the input)."""
+"""Fuzzing the loader: whatever is done to a checkpoint's header, its hf_aoq metadata, its
+tensors, its index or the save ids of its shards, loading either raises FormatError (whose
+message stays short, however long the untrusted text it quotes) or returns tensors that work.
+Never another exception, never a hang (every parse here is linear in the input)."""
+import atexit
 import copy
 import json
 import os
+import shutil
 import struct
 import tempfile
 from pathlib import Path
+
+import pytest
 
 import safetensors
 import safetensors.torch
@@ -34,10 +39,15 @@ FUZZ = settings(
 )
 
 
+LONG = "L" * 100_000  # untrusted text that no error message may quote whole
+MAX_MESSAGE = 3000
+
+
 def assert_loads_or_refuses(load) -> None:
     try:
         state_dict = load()
-    except FormatError:
+    except FormatError as e:
+        assert len(str(e)) < MAX_MESSAGE, str(e)[:500]
         return
     for name, t in state_dict.items():  # what loads must work
         if isinstance(t, AOQTensor):
@@ -87,7 +97,10 @@ WORDS = st.sampled_from(
      "F32", "BF16", "U8", "I8", "F8_E4M3", "F4", "data_offsets", "__metadata__",
      "bool", "dtype", "enum", "per_token", "per_row", "per_tensor", "cpu_int4pack", "qdata", "scale", "zero",
      "shape", "dtype", "block_size", "act_quant", "act_dtype", "packing", "fields", "attributes", "type",
-     "schema_version", "format_version", "tensors", "__class__", "os.system", ""]
+     "schema_version", "format_version", "tensors", "__class__", "os.system", "", LONG,
+     "weight_map", "metadata", "hf_aoq_save_id", "0123456789abcdef" * 2, "model.safetensors",
+     "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "../x.safetensors",
+     "/etc/passwd.safetensors", "sub/x.safetensors"]
     + NAMES
     + [f"{n}:{f}" for n in NAMES for f in ("qdata", "scale", "zero", "gparams", "rparams", "tparams")]
 )
@@ -185,3 +198,59 @@ def test_mutated_tensors(data):
             shape, dtype = data.draw(shapes), data.draw(st.sampled_from(DTYPES))
             tensors[key] = torch.zeros(shape, dtype=dtype)
     assert_loads_or_refuses(lambda: S.unflatten_state_dict(tensors, METADATA, source="fuzz"))
+
+
+# ---------------------------------------------------------------------- a sharded checkpoint
+SHARDED = Path(tempfile.mkdtemp(prefix="hf_aoq_fuzz_"))
+atexit.register(shutil.rmtree, SHARDED, True)
+S.save_shards(S.unflatten_state_dict(TENSORS, METADATA), SHARDED, max_shard_size=DATA.__len__() // 2)
+INDEX = json.loads((SHARDED / S.INDEX_NAME).read_text())
+SHARDS = sorted(set(INDEX["weight_map"].values()))
+assert len(SHARDS) >= 2
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_index(data):
+    doc = copy.deepcopy(INDEX)
+    mutate_json(data, doc)
+    folder = Path(tempfile.mkdtemp(prefix="hf_aoq_fuzz_"))
+    try:
+        for name in SHARDS:
+            os.symlink(SHARDED / name, folder / name)
+        (folder / S.INDEX_NAME).write_text(json.dumps(doc))
+        assert_loads_or_refuses(lambda: S.load_checkpoint(folder))
+    finally:
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
+save_ids = st.none() | st.sampled_from(["0123456789abcdef" * 2, INDEX["metadata"][S.SAVE_ID_KEY], "", LONG,
+                                        "ABCDEF0123456789" * 2, "0" * 33])
+
+
+@FUZZ
+@given(ids=st.lists(save_ids, min_size=len(SHARDS), max_size=len(SHARDS)), index_id=save_ids)
+def test_mutated_save_ids(ids, index_id):
+    folder = Path(tempfile.mkdtemp(prefix="hf_aoq_fuzz_"))
+    try:
+        for name, save_id in zip(SHARDS, ids):
+            with safetensors.safe_open(str(SHARDED / name), "pt") as f:
+                tensors, metadata = f.get_tensors(), dict(f.metadata())
+            metadata.pop(S.SAVE_ID_KEY)
+            if save_id is not None:
+                metadata[S.SAVE_ID_KEY] = save_id
+            safetensors.torch.save_file(tensors, str(folder / name), metadata=metadata)
+        index = copy.deepcopy(INDEX)
+        index["metadata"].pop(S.SAVE_ID_KEY)
+        if index_id is not None:
+            index["metadata"][S.SAVE_ID_KEY] = index_id
+        (folder / S.INDEX_NAME).write_text(json.dumps(index))
+        found = {i for i in ids} | ({index_id} - {None})
+        if len(found) > 1:  # files of different saves never load together
+            with pytest.raises(FormatError):
+                S.load_checkpoint(folder)
+        assert_loads_or_refuses(lambda: S.load_checkpoint(folder))
+    finally:
+        shutil.rmtree(folder)

@@ -155,3 +155,31 @@ def test_header_length_beyond_the_file(tmp_path):
     path.write_bytes(struct.pack("<Q", 2**63) + b"{}")
     with pytest.raises(FormatError, match="header length 9223372036854775808 does not fit in a file of 10 bytes"):
         read_safetensors(path)
+
+
+def test_a_header_over_the_cap_says_so(tmp_path):
+    """A 200 MB file (sparse: no disk used) whose header claims 150 MB: it fits, but exceeds the
+    100 MB that safetensors allows a header."""
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", 150_000_000))
+        f.truncate(200_000_000)
+    with pytest.raises(FormatError, match=f"^{path}: not a safetensors file: header length 150000000 exceeds the cap "
+                                          f"of 100000000 bytes"):
+        read_safetensors(path)
+
+
+LONG = "n" * 1_000_000
+
+
+@pytest.mark.parametrize("header", [
+    {LONG: {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
+    {LONG: {"dtype": "F32", "shape": [LONG], "data_offsets": [0, 4]}},
+    {"a": {"dtype": LONG, "shape": [1], "data_offsets": [0, 4]}},
+    {"__metadata__": {"x": [LONG]}},
+])
+def test_untrusted_names_are_cut_in_errors(tmp_path, header):
+    path = craft(tmp_path / "long.safetensors", header, bytes(16))
+    with pytest.raises(FormatError) as e:
+        read_safetensors(path)
+    assert str(e.value).startswith(f"{path}: ") and len(str(e.value)) < 1000

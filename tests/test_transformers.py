@@ -5,6 +5,9 @@ planning, dequantize, torch.compile and generate, tied embeddings, and what happ
 """
 import json
 import os
+import re
+import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -435,6 +438,146 @@ def test_unlisted_field_key_is_a_clear_error(saved, tmp_path):
 def test_shard_without_hf_aoq_metadata_is_a_clear_error(saved, tmp_path):
     path = copy_checkpoint(saved[2], tmp_path, lambda t, m: (t, {"format": "pt"}))
     with pytest.raises(FormatError, match=r"model-0000\d-of-0000\d.safetensors: config.json says quant_method 'aoq'"):
+        load(path)
+
+
+# ---------------------------------------------------------------------- a checkpoint is one save
+def strip_save_ids(tensors, metadata):
+    """What a checkpoint written before save ids existed holds (docs/format.md names the key)."""
+    return tensors, {k: v for k, v in metadata.items() if k != "hf_aoq_save_id"}
+
+
+# The new model (every plain weight doubled) goes through save_pretrained with the same layout
+# of shards as the old one; the process kills itself once the first shard has been replaced.
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    import hf_aoq
+    import transformers.modeling_utils as modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    src, out = sys.argv[1], sys.argv[2]
+    model = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not isinstance(p, hf_aoq.AOQTensor):
+                p.mul_(2)
+    write = modeling_utils.safe_save_file
+
+    def write_then_die(*args, **kwargs):
+        write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    modeling_utils.safe_save_file = write_then_die
+    model.save_pretrained(out, max_shard_size="60KB")
+    """
+)
+
+
+@pytest.mark.parametrize("old_has_ids", [True, False], ids=["old-with-save-ids", "old-without-save-ids"])
+def test_interrupted_sharded_save_is_refused_naming_the_shards(saved, tmp_path, old_has_ids):
+    _, _, out = saved
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    copy_checkpoint(out, target, (lambda t, m: (t, m)) if old_has_ids else strip_save_ids)
+    load(str(target))  # the old checkpoint is good
+    run = subprocess.run([sys.executable, "-c", KILLED_SAVE, out, str(target)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    shards = sorted(f for f in os.listdir(target) if f.endswith(".safetensors"))
+    assert len(shards) >= 3
+    with pytest.raises(FormatError, match=rf"{target}: the checkpoint's files come from different saves \(save "
+                                          rf"\w+ in {shards[0]}; .* in {shards[1]}, {shards[2]}"):
+        load(str(target))
+
+
+def test_a_stale_index_is_refused(saved, tmp_path):
+    """A save killed after its last shard but before its index: the index describes another split."""
+    path = copy_checkpoint(saved[2], tmp_path, lambda t, m: (t, m))
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    shards = sorted(set(index["weight_map"].values()))
+    key = VICTIM + ":qdata"
+    index["weight_map"][key] = next(s for s in shards if s != index["weight_map"][key])
+    json.dump(index, open(index_path, "w"))
+    with pytest.raises(FormatError, match=rf"model.safetensors.index.json: lists '{key}' in .*, but it is in "):
+        load(path)
+
+
+def test_a_checkpoint_written_before_save_ids_loads(saved, ids, tmp_path):
+    _, expected, out = saved
+    assert torch.equal(logits(load(copy_checkpoint(out, tmp_path, strip_save_ids)), ids), expected)
+
+
+def test_a_folder_with_both_a_single_file_and_an_index_is_refused(llama_dir, saved, tmp_path):
+    """An int8 single-file checkpoint next to the sharded RECIPE one: transformers would read
+    model.safetensors alone, with the RECIPE config."""
+    single = tmp_path / "single"
+    load(llama_dir, quantization_config=AOQConfig(Int8WeightOnlyConfig())).save_pretrained(single)
+    both = tmp_path / "both"
+    both.mkdir()
+    copy_checkpoint(saved[2], both, lambda t, m: (t, m))
+    os.link(single / "model.safetensors", both / "model.safetensors")
+    with pytest.raises(FormatError, match=rf"{both}: holds both model.safetensors and model.safetensors.index.json"):
+        load(str(both))
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_an_index_naming_a_file_outside_the_folder_is_refused(saved, tmp_path, where):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    copy_checkpoint(saved[2], path, lambda t, m: (t, m))
+    index_path = path / "model.safetensors.index.json"
+    index = json.load(open(index_path))
+    moved = sorted(set(index["weight_map"].values()))[-1]
+    os.replace(path / moved, tmp_path / "x.safetensors")
+    name = "../x.safetensors" if where == "parent" else str(tmp_path / "x.safetensors")
+    index["weight_map"] = {k: name if v == moved else v for k, v in index["weight_map"].items()}
+    json.dump(index, open(index_path, "w"))
+    with pytest.raises(FormatError, match=rf"{index_path}: .* is in shard '{re.escape(name)}', which is not a "
+                                          rf"\.safetensors file in the index's folder"):
+        load(str(path))
+
+
+def test_a_truncated_shard_is_an_error_naming_it(saved, tmp_path):
+    path = copy_checkpoint(saved[2], tmp_path, lambda t, m: (t, m))
+    shard = os.path.join(path, "model-00002-of-00007.safetensors")
+    data = open(shard, "rb").read()
+    open(shard, "wb").write(data[:-100])
+    with pytest.raises(FormatError, match=rf"^{shard}: not a complete safetensors file: it is truncated"):
+        load(path)
+
+
+def test_a_duplicate_hf_aoq_key_in_a_shards_metadata_is_refused(saved, tmp_path):
+    """safetensors keeps the last of two equal keys; a second "hf_aoq" could hide the first."""
+    path = copy_checkpoint(saved[2], tmp_path, lambda t, m: (t, m))
+    shard = os.path.join(path, "model-00001-of-00007.safetensors")
+    data = open(shard, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    head = json.loads(data[8 : 8 + n])
+    text = json.dumps(head["__metadata__"]["hf_aoq"])
+    raw = data[8 : 8 + n].decode().rstrip()
+    assert raw.startswith('{"__metadata__":{')
+    raw = raw.replace('{"__metadata__":{', '{"__metadata__":{"hf_aoq":' + text + ",", 1).encode()
+    raw += b" " * (-len(raw) % 8)
+    open(shard, "wb").write(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    with pytest.raises(FormatError, match=rf"^{shard}: safetensors header: key 'hf_aoq' appears twice"):
+        load(path)
+
+
+def test_a_field_key_stored_in_two_shards_is_refused_naming_both(saved, tmp_path):
+    key = VICTIM + ":scale"
+    path = copy_checkpoint(saved[2], tmp_path, lambda t, m: (t, m))
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    home = index["weight_map"][key]
+    other = next(s for s in sorted(set(index["weight_map"].values())) if s != home)
+    with safetensors.safe_open(os.path.join(path, home), "pt") as f:
+        value = f.get_tensor(key)
+    with safetensors.safe_open(os.path.join(path, other), "pt") as f:
+        metadata, tensors = f.metadata(), f.get_tensors()
+    safetensors.torch.save_file({**tensors, key: value}, os.path.join(path, other), metadata=metadata)
+    with pytest.raises(FormatError, match=rf"'{key}' is stored in both ({home} and {other}|{other} and {home})"):
         load(path)
 
 

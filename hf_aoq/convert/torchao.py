@@ -42,7 +42,7 @@ from ..core.errors import AOQError
 from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import pack_int4
 from ..core.tensor import AOQTensor
-from ..serialization import SEPARATOR, save_file
+from ..serialization import save_shards, write_atomic
 from ..serialization.common import loads_strict
 from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor
 from ..tensors.int4 import GROUP_SIZES
@@ -459,8 +459,8 @@ def convert_torchao_checkpoint(
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
-        _save_shards(state, tmp, max_shard_size)
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        save_shards(state, tmp, max_shard_size)
+        write_atomic(tmp / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
         skip = {CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME} | {p.name for p in shards}
         for p in sorted(src.iterdir()):
             if p.name in skip or not p.is_file() or p.suffix in PICKLE_SUFFIXES:
@@ -472,38 +472,6 @@ def convert_torchao_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    fields = t.tensor_fields().values() if isinstance(t, AOQTensor) else (t,)
-    return sum(f.numel() * f.element_size() for f in fields)
-
-
-def _save_shards(state: dict[str, torch.Tensor], folder: Path, max_shard_size: int) -> None:
-    """One file, or shards of whole tensors (each shard's metadata describes its own quantized
-    tensors, so every shard loads on its own) plus the index transformers reads."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = total = 0
-    for name, t in state.items():
-        n = _nbytes(t)
-        if shards[-1] and size + n > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-        total += n
-    if len(shards) == 1:
-        save_file(state, folder / WEIGHTS_NAME)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / file)
-        for name, t in shard.items():
-            keys = [f"{name}{SEPARATOR}{f}" for f in t.tensor_fields()] if isinstance(t, AOQTensor) else [name]
-            weight_map.update({k: file for k in keys})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _replace_dir(tmp: Path, dst: Path, overwrite: bool) -> None:

@@ -10,7 +10,6 @@ is looked up in the allow-lists below, and nothing is unpickled or evaluated. do
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,11 +17,9 @@ from typing import Any, Mapping
 import torch
 
 from ..core.errors import FormatError
-from ..serialization import read_safetensors
+from ..serialization import INDEX_NAME, WEIGHTS_NAME, open_checkpoint
 from ..serialization.common import loads_strict, short
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 # Pickle-based weights: never read, and not copied next to the converted weights.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -157,51 +154,28 @@ def show(v: Any) -> str:
 
 
 # ---------------------------------------------------------------------- the checkpoint
-def _shards(src: Path) -> list[Path]:
-    index = src / INDEX_NAME
-    if index.is_file():
-        try:
-            data = loads_strict(index.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise TorchaoConversionError(f"{index}: {e}") from None
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(weight_map, dict) or not all(type(v) is str for v in weight_map.values()):
-            raise TorchaoConversionError(f"{index}: expected a 'weight_map' object of tensor name -> shard file")
-        names = list(dict.fromkeys(weight_map.values()))
-        for name in names:
-            if os.path.basename(name) != name or not name.endswith(".safetensors"):
-                raise TorchaoConversionError(f"{index}: shard {name!r} is not a .safetensors file in the same folder")
-        return [src / n for n in names]
-    single = src / WEIGHTS_NAME
-    if single.is_file():
-        return [single]
-    pickles = sorted(p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise TorchaoConversionError(
-            f"{src}: has {pickles} but no {WEIGHTS_NAME}: torchao checkpoints saved with pickle are never read; "
-            f"re-save the model with safetensors (save_pretrained(..., safe_serialization=True))"
-        )
-    raise TorchaoConversionError(f"{src}: no {WEIGHTS_NAME} or {INDEX_NAME}")
-
-
 def read_checkpoint(src: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], list[Path]]:
     """All stored tensors and the union of the shards' metadata (a key in several shards must
-    hold the same text in each: transformers writes the whole metadata into every shard)."""
-    tensors: dict[str, torch.Tensor] = {}
+    hold the same text in each: transformers writes the whole metadata into every shard). The
+    files are found and checked as a set by hf_aoq's checkpoint reader (`open_checkpoint`)."""
+    if not (src / WEIGHTS_NAME).is_file() and not (src / INDEX_NAME).is_file():
+        pickles = sorted(p.name for p in src.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise TorchaoConversionError(
+                f"{src}: has {pickles} but no {WEIGHTS_NAME}: torchao checkpoints saved with pickle are never "
+                f"read; re-save the model with safetensors (save_pretrained(..., safe_serialization=True))"
+            )
+        raise TorchaoConversionError(f"{src}: no {WEIGHTS_NAME} or {INDEX_NAME}")
+    try:
+        ckpt = open_checkpoint(src)
+    except FormatError as e:
+        raise TorchaoConversionError(str(e)) from None
     metadata: dict[str, str] = {}
-    shards = _shards(src)
-    for path in shards:
-        if not path.is_file():
-            raise TorchaoConversionError(f"{path}: listed in {INDEX_NAME} but missing")
-        shard_tensors, shard_meta = read_safetensors(path)
-        for key, t in shard_tensors.items():
-            if key in tensors:
-                raise TorchaoConversionError(f"{path}: tensor {key!r} is stored in more than one shard")
-            tensors[key] = t
-        for key, text in (shard_meta or {}).items():
+    for path in ckpt.files:
+        for key, text in (ckpt.headers[path].metadata or {}).items():
             if metadata.setdefault(key, text) != text:
-                raise TorchaoConversionError(f"{path}: metadata key {key!r} differs from another shard's")
-    return tensors, metadata, shards
+                raise TorchaoConversionError(f"{path}: metadata key {short(key)} differs from another shard's")
+    return ckpt.tensors(), metadata, [Path(f) for f in ckpt.files]
 
 
 def parse_records(

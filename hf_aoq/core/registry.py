@@ -8,28 +8,38 @@ from typing import TypeVar
 
 import torch
 
-from .errors import FormatError
+from .errors import FormatError, short
 
 T = TypeVar("T", bound=type)
 
 TENSOR_TYPES: dict[str, type] = {}
 CONFIG_TYPES: dict[str, type] = {}
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
+# The one table of dtype names: each torch dtype hf_aoq stores, its name in hf_aoq metadata (None:
+# metadata may not name it), its name in safetensors headers, and the short name reports print.
+_DTYPE_TABLE: tuple[tuple[torch.dtype, str | None, str, str], ...] = (
+    (torch.float32, "float32", "F32", "fp32"),
+    (torch.float16, "float16", "F16", "fp16"),
+    (torch.bfloat16, "bfloat16", "BF16", "bf16"),
+    (torch.float64, "float64", "F64", "fp64"),
+    (torch.float8_e4m3fn, "float8_e4m3fn", "F8_E4M3", "e4m3"),
+    (torch.float8_e5m2, "float8_e5m2", "F8_E5M2", "e5m2"),
+    (torch.int8, "int8", "I8", "int8"),
+    (torch.uint8, "uint8", "U8", "uint8"),
+    (torch.int16, "int16", "I16", "int16"),
+    (torch.int32, "int32", "I32", "int32"),
+    (torch.int64, "int64", "I64", "int64"),
+    (torch.bool, "bool", "BOOL", "bool"),
+    (torch.complex64, None, "C64", "complex64"),
+) + tuple(
+    (getattr(torch, name), None, st, name)
+    for name, st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"))
+    if hasattr(torch, name)
+)
+DTYPES: dict[str, torch.dtype] = {name: d for d, name, _, _ in _DTYPE_TABLE if name is not None}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {st: d for d, _, st, _ in _DTYPE_TABLE}
+SHORT_DTYPE_NAMES: dict[torch.dtype, str] = {d: short for d, _, _, short in _DTYPE_TABLE}
 
 # Enum-like string attributes of tensor types: "TypeName.attribute" -> the values metadata may
 # give it. An attribute that is None is never written, so None is not listed.
@@ -63,21 +73,21 @@ def tensor_type(name: str) -> type:
     try:
         return TENSOR_TYPES[name]
     except (KeyError, TypeError):
-        raise FormatError(f"unknown tensor type {name!r}; known: {sorted(TENSOR_TYPES)}") from None
+        raise FormatError(f"unknown tensor type {short(name)}; known: {sorted(TENSOR_TYPES)}") from None
 
 
 def config_type(name: str) -> type:
     try:
         return CONFIG_TYPES[name]
     except (KeyError, TypeError):
-        raise FormatError(f"unknown config type {name!r}; known: {sorted(CONFIG_TYPES)}") from None
+        raise FormatError(f"unknown config type {short(name)}; known: {sorted(CONFIG_TYPES)}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except (KeyError, TypeError):
-        raise FormatError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+        raise FormatError(f"unknown dtype {short(name)}; known: {sorted(DTYPES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,5 +103,5 @@ def enum_value(enum: str, value: str) -> str:
     if allowed is None:
         raise FormatError(f"{enum} is not an enum attribute; known: {sorted(ENUMS)}")
     if not isinstance(value, str) or value not in allowed:
-        raise FormatError(f"unknown {enum} value {value!r}; known: {sorted(allowed)}")
+        raise FormatError(f"unknown {enum} value {short(value)}; known: {sorted(allowed)}")
     return value

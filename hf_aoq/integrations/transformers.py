@@ -22,7 +22,6 @@ import warnings
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter, revert_weight_conversion
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
@@ -362,51 +361,23 @@ class AOQHfQuantizer(HfQuantizer):
 
     # ------------------------------------------------------------------ pre-quantized checkpoint
     def _read_checkpoint(self, model, checkpoint_files) -> None:
-        """Parse the hf_aoq metadata of every shard, check it against the shards' keys, and
-        index what is stored for each quantized parameter of `model`.
-
-        save_pretrained writes the metadata of the whole checkpoint into every shard and may put
-        one tensor's fields in different shards, so the checks here are over the set of shards:
-        every key the metadata lists is in some shard, and every field key is listed.
-        """
+        """Read the headers of the checkpoint's shards (no data) with hf_aoq's checkpoint reader,
+        which applies docs/format.md to the set (its index, one save id, no key in two shards,
+        every listed key stored and every field key listed), and index what is stored for each
+        quantized parameter of `model`."""
         files = [os.fspath(f) for f in checkpoint_files or []]
         source = os.path.dirname(files[0]) if files else "<no files>"
         if not files or not all(f.endswith(".safetensors") for f in files):
             raise FormatError(f"{source}: an aoq checkpoint is stored as .safetensors files; got {files}")
-        stored: dict[str, tuple[list[int], str]] = {}  # storage key -> (shape, safetensors dtype)
-        entries: dict[str, Any] = {}
-        texts: set[str] = set()
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                metadata = f.metadata() or {}
-                for key in f.keys():
-                    view = f.get_slice(key)
-                    stored[key] = (view.get_shape(), view.get_dtype())
-            if not serialization.is_aoq_metadata(metadata):
-                raise FormatError(
-                    f"{path}: config.json says quant_method 'aoq' but this shard has no hf_aoq metadata"
-                )
-            text = metadata[serialization.METADATA_KEY]
-            if text in texts:  # the same metadata in every shard: parse it once
-                continue
-            texts.add(text)
-            for name, entry in serialization.parse_metadata(metadata, source=path).items():
-                if entries.setdefault(name, entry) != entry:
-                    raise FormatError(f"{path}: tensor {name!r} is described differently in another shard")
-        claimed = set()
-        for name, entry in entries.items():
-            if name in stored:
-                raise FormatError(f"{source}: tensor {name!r} is stored both plain and as quantized fields")
-            for field, key in entry.keys.items():
-                if key not in stored:
-                    raise FormatError(
-                        f"{source}: tensor {name!r}, field {field!r}: "
-                        f"the metadata lists key {key!r}, which is in no shard"
-                    )
-                claimed.add(key)
-        unclaimed = sorted(k for k in stored if serialization.SEPARATOR in k and k not in claimed)
-        if unclaimed:
-            raise FormatError(f"{source}: field key {unclaimed[0]!r} is in a shard but no hf_aoq metadata lists it")
+        extra = set(getattr(type(model.config), "extra_files", ()))  # other weights transformers adds
+        ckpt = serialization.read_loader_files(
+            [f for f in files if os.path.basename(f) not in extra],
+            folder_hint=getattr(model.config, "name_or_path", None),
+        )
+        for path in ckpt.without_metadata:
+            raise FormatError(f"{path}: config.json says quant_method 'aoq' but this shard has no hf_aoq metadata")
+        ckpt.check()
+        source, entries = ckpt.source, ckpt.entries
 
         params = set(model.state_dict())
         serialized: dict[str, set[str]] = {}
@@ -416,8 +387,8 @@ class AOQHfQuantizer(HfQuantizer):
                 continue  # not part of this model: transformers reports it as unexpected
             # Build the tensor on the meta device from the headers: every check of the stored
             # shapes and dtypes against the metadata runs now, before any data is read.
-            fields = {f: _meta_field(k, *stored[k], source) for f, k in entry.keys.items()}
-            entry.build(fields, source=source)
+            fields = {f: _meta_field(k, ckpt.stored(k), ckpt.where[k]) for f, k in entry.keys.items()}
+            entry.build(fields, source=ckpt.file_of(entry))
             self._entries[target] = entry
             self._nbytes[target] = sum(t.numel() * t.element_size() for t in fields.values())
             module_name, leaf = _parent(name)
@@ -580,7 +551,9 @@ class AOQHfQuantizer(HfQuantizer):
                 owner[id(value)] = name
         _check_not_renamed(model, [k for k, v in state.items() if isinstance(v, AOQTensor)])
         tensors, metadata = serialization.flatten_state_dict({k: v.detach() for k, v in state.items()})
-        return tensors, dict(metadata)
+        # save_pretrained writes this metadata into every shard: one id per save lets a reader
+        # tell a complete set from one that an interrupted save left half replaced.
+        return tensors, {**metadata, serialization.SAVE_ID_KEY: serialization.new_save_id()}
 
     def _dequantize(self, model, dtype=None):
         if isinstance(dtype, str):
@@ -658,29 +631,11 @@ class AOQLoad(_QuantizerOp):
 
 
 # ---------------------------------------------------------------------- helpers
-# The safetensors dtypes that hf_aoq's tensor fields are stored in.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def _meta_field(key: str, shape: list[int], dtype: str, source: str) -> torch.Tensor:
+def _meta_field(key: str, stored, source: str) -> torch.Tensor:
     """A meta tensor with a stored field's shape and dtype, read from the safetensors header."""
-    torch_dtype = _SAFETENSORS_DTYPES.get(dtype)
-    if torch_dtype is None:
-        raise FormatError(f"{source}: stored tensor {key!r} has dtype {dtype}, which no hf_aoq field uses")
-    return torch.empty(shape, dtype=torch_dtype, device="meta")
+    if stored.dtype is None:
+        raise FormatError(f"{source}: stored tensor {key!r} has dtype {stored.dtype_name}, which no hf_aoq field uses")
+    return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
 
 
 def _skipped(module_name: str, name: str, patterns: list[str]) -> bool:

@@ -9,16 +9,41 @@ that names the file, the tensor and the field.
 
     metadata.py    the metadata JSON: typed values, parse_metadata, TensorEntry.build
     state_dict.py  flatten_state_dict / unflatten_state_dict
-    files.py       save_file (atomic) / load_file (placed on a device)
-    reader.py      a strict, zero-copy safetensors reader for load_file
+    reader.py      a strict, zero-copy reader of one safetensors file (its header alone, or all of it)
+    shards.py      the one checkpoint reader: a folder's files (index), save ids, the union of the shards
+    files.py       atomic writes (save_file, save_shards, write_atomic); load_file / load_checkpoint
 """
-from .files import load_file, save_file
+from .files import load_checkpoint, load_file, save_file, save_shards, write_atomic
 from .metadata import FORMAT_VERSION, METADATA_KEY, SEPARATOR, TensorEntry, is_aoq_metadata, parse_metadata
-from .reader import read_safetensors
+from .reader import read_header, read_safetensors
+from .shards import (
+    INDEX_NAME,
+    SAVE_ID_KEY,
+    WEIGHTS_NAME,
+    Checkpoint,
+    checkpoint_files,
+    new_save_id,
+    open_checkpoint,
+    read_loader_files,
+    read_shards,
+)
 from .state_dict import flatten_state_dict, unflatten_state_dict
 
 __all__ = [
+    "Checkpoint",
     "FORMAT_VERSION",
+    "INDEX_NAME",
+    "SAVE_ID_KEY",
+    "WEIGHTS_NAME",
+    "checkpoint_files",
+    "load_checkpoint",
+    "new_save_id",
+    "open_checkpoint",
+    "read_header",
+    "read_loader_files",
+    "read_shards",
+    "save_shards",
+    "write_atomic",
     "METADATA_KEY",
     "SEPARATOR",
     "TensorEntry",

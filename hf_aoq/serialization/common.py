@@ -6,21 +6,18 @@ import json
 from contextlib import contextmanager
 from typing import Any
 
-from ..core.errors import FormatError
+from ..core.errors import FormatError, short
+
+NAME_LIMIT = 200  # how much of a tensor or field name from a file an error message quotes
 
 
 def error(source: str, problem: str, tensor: str | None = None, part: str | None = None) -> FormatError:
-    """`source: tensor 'name', field 'f': problem`; `part` is "field 'f'" or "attribute 'a'"."""
-    where = source if tensor is None else f"{source}: tensor {tensor!r}"
+    """`source: tensor 'name', field 'f': problem`; `part` is "field 'f'" or "attribute 'a'".
+    The tensor name and the part come from the file, so they are cut to NAME_LIMIT characters."""
+    where = source if tensor is None else f"{source}: tensor {short(tensor, NAME_LIMIT)}"
     if part is not None:
-        where += f", {part}"
+        where += f", {part if len(part) <= NAME_LIMIT else part[: NAME_LIMIT - 3] + '...'}"
     return FormatError(f"{where}: {problem}")
-
-
-def short(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: error messages quote untrusted input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def reader_version() -> str:

@@ -10,7 +10,7 @@ import torch
 from ..core import registry
 from ..core.errors import AOQError, FormatError
 from ..core.tensor import AOQTensor
-from .common import error, gc_paused, loads_strict, reader_version, short
+from .common import NAME_LIMIT, error, gc_paused, loads_strict, reader_version, short
 
 FORMAT_VERSION = 1
 METADATA_KEY = "hf_aoq"  # the safetensors metadata key holding the JSON text
@@ -159,7 +159,7 @@ def _unknown_field(cls, type_name, name, s: _Schema, role, source, tensor, write
 def _newer_schema(type_name: str, version: int, cls, writer: str, source: str, tensor: str) -> FormatError:
     return error(
         source,
-        f"{type_name} schema version {version}, written by hf_aoq {writer}, is newer than this hf_aoq "
+        f"{type_name} schema version {short(version)}, written by hf_aoq {writer}, is newer than this hf_aoq "
         f"{reader_version()} can read ({type_name} schema versions 1 to {cls.schema_version}): upgrade hf_aoq",
         tensor,
     )
@@ -200,7 +200,7 @@ class TensorEntry:
         try:
             cls.check_fields(values)
         except AOQError as e:  # its message starts "field 'f': ..." or "attribute 'a': ..."
-            raise FormatError(f"{source}: tensor {name!r}, {e}") from None
+            raise FormatError(f"{source}: tensor {short(name, NAME_LIMIT)}, {e}") from None
         try:
             # The constructor's own role, presence and type checks were all done above.
             return cls.from_checked_fields(values)
@@ -213,7 +213,7 @@ class TensorEntry:
             return error(source, "build takes field names, not storage keys", self.name, f"field {extra[0]!r}")
         for f, key in self.keys.items():
             if f not in fields:
-                problem = f"the metadata lists key {key!r}, which is not in the file"
+                problem = f"the metadata lists key {short(key, NAME_LIMIT)}, which is not in the file"
                 return error(source, problem, self.name, f"field {f!r}")
         return error(source, "not listed in the metadata", self.name, f"field {extra[0]!r}")
 
@@ -247,20 +247,28 @@ def parse_metadata(metadata: Mapping[str, str] | None, *, source: str = "<memory
     """One entry per quantized tensor described by safetensors `metadata`; {} if it has no
     hf_aoq metadata. Parses the JSON once and validates all of it (structure, versions, type,
     dtype and enum allow-lists, field keys) before any tensor is read."""
+    return read_metadata(metadata, source=source)[2]
+
+
+def read_metadata(
+    metadata: Mapping[str, str] | None, *, source: str = "<memory>"
+) -> tuple[int | None, str | None, dict[str, TensorEntry]]:
+    """(format version, writer's release, entries) of safetensors `metadata`, as `parse_metadata`
+    parses it; (None, None, {}) when it has no hf_aoq metadata."""
     if metadata is None:
-        return {}
+        return None, None, {}
     if not isinstance(metadata, Mapping):
         raise error(source, f"metadata must be a str -> str mapping, got {type(metadata).__name__}")
     text = metadata.get(METADATA_KEY)
     if text is None:
-        return {}
+        return None, None, {}
     if not isinstance(text, str):
         raise error(source, f"metadata key {METADATA_KEY!r} must hold JSON text, got {type(text).__name__}")
     with gc_paused():
         return _parse_text(text, source)
 
 
-def _parse_text(text: str, source: str) -> dict[str, TensorEntry]:
+def _parse_text(text: str, source: str) -> tuple[int, str, dict[str, TensorEntry]]:
     try:
         doc = loads_strict(text)
     except ValueError as e:
@@ -269,10 +277,13 @@ def _parse_text(text: str, source: str) -> dict[str, TensorEntry]:
         raise error(source, f"{METADATA_KEY} metadata must be a JSON object, got {short(doc)}")
     version = doc.get("format_version")
     writer = doc.get("hf_aoq_version")
+    if type(writer) is str and len(writer) > 40:  # it is quoted in error messages only
+        writer = writer[:37] + "..."
     if type(version) is int and version > FORMAT_VERSION:  # anything else in a newer format may differ
         raise error(
             source,
-            f"written in hf_aoq format version {version} by hf_aoq {writer if type(writer) is str else '(unknown)'}; "
+            f"written in hf_aoq format version {short(version)} by hf_aoq "
+            f"{writer if type(writer) is str else '(unknown)'}; "
             f"this hf_aoq {reader_version()} reads format versions up to {FORMAT_VERSION}: upgrade hf_aoq",
         )
     if type(version) is not int or version < 1:
@@ -284,7 +295,7 @@ def _parse_text(text: str, source: str) -> dict[str, TensorEntry]:
     tensors = doc["tensors"]
     if type(tensors) is not dict:
         raise error(source, f"{METADATA_KEY} metadata: 'tensors' must be an object, got {short(tensors)}")
-    return {name: _parse_entry(name, raw, writer, source) for name, raw in tensors.items()}
+    return version, writer, {name: _parse_entry(name, raw, writer, source) for name, raw in tensors.items()}
 
 
 def _key_problem(obj: dict, expected: frozenset[str]) -> str:
@@ -314,7 +325,7 @@ def _parse_entry(name: str, raw: Any, writer: str, source: str) -> TensorEntry:
     prefix = name + SEPARATOR
     for f, key in keys.items():
         if type(key) is not str or key != prefix + f:
-            raise error(source, f"key must be {prefix + f!r}, got {short(key)}", name, f"field {f!r}")
+            raise error(source, f"key must be {short(prefix + f, NAME_LIMIT)}, got {short(key)}", name, f"field {f!r}")
     raw_attributes = raw["attributes"]
     if type(raw_attributes) is not dict:
         raise error(source, f"'attributes' must be an object, got {short(raw_attributes)}", name)

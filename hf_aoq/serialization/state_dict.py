@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from ..core import registry
 from ..core.errors import AOQError, FormatError
 from ..core.tensor import AOQTensor
-from .common import error, gc_paused, reader_version
+from .common import NAME_LIMIT, error, gc_paused, reader_version, short
 from .metadata import FORMAT_VERSION, METADATA_KEY, SEPARATOR, TensorEntry, encode_value, parse_metadata
 
 
@@ -30,7 +30,7 @@ def flatten_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str
             raise error(
                 source,
                 f"state-dict names must be non-empty strings without {SEPARATOR!r} (it separates field keys), "
-                f"got {name!r}",
+                f"got {short(name, NAME_LIMIT)}",
             )
         if isinstance(value, AOQTensor):
             entries[name] = _flatten_one(name, value, registered, tensors, seen_storage, source)
@@ -89,10 +89,16 @@ def unflatten_state_dict(
 
 
 def assemble(
-    tensors: Mapping[str, torch.Tensor], entries: dict[str, TensorEntry], source: str
+    tensors: Mapping[str, torch.Tensor],
+    entries: dict[str, TensorEntry],
+    source: str,
+    where: Mapping[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Build every entry from its stored tensors; pass the other tensors through. Every key
-    that holds a field must belong to an entry, and every entry's keys must be there."""
+    that holds a field must belong to an entry, and every entry's keys must be there.
+
+    `where` (storage key -> file) is given when `tensors` is the union of a checkpoint's shards
+    (`source` then names the checkpoint); errors name the file that holds a tensor."""
     with gc_paused():
         out: dict[str, torch.Tensor] = {}
         claimed = 0
@@ -101,33 +107,57 @@ def assemble(
             for f, key in entry.keys.items():
                 t = tensors.get(key)
                 if t is None:
-                    problem = f"the metadata lists key {key!r}, which is not in the file"
-                    raise error(source, problem, name, f"field {f!r}")
+                    raise key_problems(tensors, entries, source, where)[0][1]
                 fields[f] = t
             claimed += len(fields)
-            out[name] = entry.build(fields, source=source)
+            out[name] = entry.build(fields, source=source if where is None else where[entry.keys[f]])
         field_keys = 0
         for key, t in tensors.items():
             if SEPARATOR in key:
                 field_keys += 1
             elif key in entries:
-                raise error(source, f"the file has both a plain tensor and a quantized tensor named {key!r}", key)
+                raise key_problems(tensors, entries, source, where)[0][1]
             else:
                 out[key] = t
         # Claimed keys are distinct (name:field) and all present, so equal counts mean that no
         # field key is left without an entry.
         if field_keys != claimed:
-            raise _unclaimed_key(tensors, entries, source)
+            raise key_problems(tensors, entries, source, where)[0][1]
         return out
 
 
-def _unclaimed_key(tensors: Mapping[str, torch.Tensor], entries: dict[str, TensorEntry], source: str) -> FormatError:
-    for key in tensors:
-        if SEPARATOR in key:
-            name, _, f = key.partition(SEPARATOR)
-            entry = entries.get(name)
-            if entry is None or entry.keys.get(f) != key:
-                hint = "" if entries else f" (it has no {METADATA_KEY} metadata at all)"
-                problem = f"the file has the field key {key!r} but no metadata for it{hint}"
-                return error(source, problem, name, f"field {f!r}")
-    raise AssertionError("unreachable: the counts differ but every field key has its entry")
+def key_problems(
+    keys: Iterable[str], entries: dict[str, TensorEntry], source: str, where: Mapping[str, str] | None = None
+) -> list[tuple[str, FormatError]]:
+    """(tensor name, error) for every way the stored `keys` and the metadata's `entries`
+    disagree (docs/format.md, Reading, rule 5): a listed key that is not stored, a plain tensor
+    with a quantized tensor's name, a field key no entry lists. `where` (key -> file) is given
+    for the union of a checkpoint's shards; errors then name the file of a key."""
+    keys = keys if isinstance(keys, Mapping) else dict.fromkeys(keys)
+    sharded = where is not None
+    out = []
+    for name, entry in entries.items():
+        for f, key in entry.keys.items():
+            if key not in keys:
+                problem = f"the metadata lists key {short(key, NAME_LIMIT)}, which is " + (
+                    "in no shard" if sharded else "not in the file")
+                out.append((name, error(source, problem, name, f"field {f!r}")))
+        if name in keys:
+            problem = "stored both as a plain tensor and as quantized fields" if sharded else \
+                f"the file has both a plain tensor and a quantized tensor named {short(name, NAME_LIMIT)}"
+            out.append((name, error(where[name] if sharded else source, problem, name)))
+    for key in keys:
+        if SEPARATOR not in key:
+            continue
+        name, _, f = key.partition(SEPARATOR)
+        entry = entries.get(name)
+        if entry is not None and entry.keys.get(f) == key:
+            continue
+        if sharded:
+            problem = f"field key {short(key, NAME_LIMIT)} is in a shard but no hf_aoq metadata lists it"
+            out.append((name, error(where[key], problem)))
+        else:
+            hint = "" if entries else f" (it has no {METADATA_KEY} metadata at all)"
+            problem = f"the file has the field key {short(key, NAME_LIMIT)} but no metadata for it{hint}"
+            out.append((name, error(source, problem, name, f"field {short(f, NAME_LIMIT)}")))
+    return out
