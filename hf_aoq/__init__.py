@@ -14,7 +14,7 @@ from . import kernels
 from .quantize import quantize_
 from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AOQBaseConfig",
@@ -39,6 +39,5 @@ __all__ = [
     "quantize_",
 ]
 
-# Last, so that everything above (e.g. __version__) exists when it runs: importing it registers
-# AOQConfig and the "aoq" quantizer with transformers.
+# Importing it registers AOQConfig and the "aoq" quantizer with transformers.
 from .integrations.transformers import AOQConfig  # noqa: E402

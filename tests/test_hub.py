@@ -3,6 +3,7 @@
 from_pretrained(repo) downloads them back through the same server and gives the same logits."""
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 import hf_aoq
@@ -63,7 +64,10 @@ def test_push_keeps_the_card_already_on_the_hub(hub, tiny_llama_dir):
     model.push_to_hub(REPO)
     model.push_to_hub(REPO)  # twice: the section is replaced, not repeated
     card = hub.repos[REPO].files["README.md"].decode()
-    assert card.startswith("---\nlicense: mit\n---\n\n# My model\n\nMy words.\n")
+    # The user's front matter and words stay; the front matter gains the keys it lacked.
+    meta = yaml.safe_load(card.split("---\n", 2)[1])
+    assert meta["license"] == "mit" and "hf_aoq" in meta["tags"] and meta["library_name"] == "transformers"
+    assert card.split("---\n", 2)[2].startswith("\n# My model\n\nMy words.\n")
     assert card.count(START) == 1 and card.count(END) == 1
 
 
@@ -87,7 +91,9 @@ def test_cli_quantizes_a_hub_model_and_pushes_it(hub, tiny_llama_dir, ids, tmp_p
     repo = hub.repos[REPO]
     assert {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(repo.files)
     card = repo.files["README.md"].decode()
-    assert 'base_model: "user/tiny-float"' in card and "| base model | `user/tiny-float` |" in card
+    meta = yaml.safe_load(card.split("---\n", 2)[1])
+    assert meta["base_model"] == "user/tiny-float" and meta["base_model_relation"] == "quantized"
+    assert "| base model | `user/tiny-float` |" in card
     assert "weight SQNR" in card and f'from_pretrained("{REPO}")' in card  # measured on the downloaded weights
     assert f"pushed to {hub.url}/{REPO}/commit/" in capsys.readouterr().out
 

@@ -510,6 +510,7 @@ class AOQHfQuantizer(HfQuantizer):
         if self._calibrating():
             self._quantize_with_calibration(model)
         self._release_memory(force=True)
+        model_card.attach(model)  # this model's save_pretrained and push_to_hub write its card
         return model
 
     def _release_memory(self, tensors=(), force: bool = False) -> None:
@@ -786,8 +787,6 @@ def register() -> None:
     loading_types = getattr(_auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
     if isinstance(loading_types, tuple) and AOQConfig not in loading_types:
         _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = loading_types + (AOQConfig,)
-    # save_pretrained and push_to_hub of a quantized model write its model card (README.md).
-    model_card.install_save_hooks()
 
 
 register()

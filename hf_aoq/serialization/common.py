@@ -24,7 +24,7 @@ def short(value: Any, limit: int = 80) -> str:
 
 
 def reader_version() -> str:
-    from .. import __version__  # at call time: the package has finished importing by then
+    from .._version import __version__
 
     return __version__
 
