@@ -264,6 +264,13 @@ def _with_section(text: str, part: str) -> str:
     return text.rstrip("\n") + "\n\n" + part + "\n"
 
 
+def with_load_name(card: str, load_name: str) -> str:
+    """`card` with its section's how-to-load line naming `load_name` (e.g. the Hub repo)."""
+    part = section(card)
+    line = re.compile(r'(from_pretrained\()"[^"\n]*"(\))')
+    return _with_section(card, line.sub(lambda m: f"{m[1]}{json.dumps(load_name)}{m[2]}", part, count=1))
+
+
 def merge(existing: str, new_card: str) -> str:
     """`existing` with the quantization section of `new_card` put in place of its own (or
     appended), and the front-matter keys of `new_card` it lacks added (tags are joined);
