@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="the checkpoint folder")
     p.add_argument("repo_id", metavar="REPO_ID", help="the Hub repo (owner/name)")
     add_push_options(p, revision="--revision")
-    p.add_argument("--commit-message", default="Upload hf_aoq quantized model")
+    p.add_argument("--commit-message", default="Upload hf_aoq quantized model", help="the commit's title")
 
     p = command("inspect", "per-tensor scheme, shape, sizes; check that it loads",
                 "List every tensor of a checkpoint: scheme, shape, bytes before and after quantization, and "
@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                 'examples:\n  hf-aoq generate smol-int4 "The capital of France is"\n'
                 '  hf-aoq generate smol-int4 "Write a haiku" --do-sample --temperature 0.7 --seed 0', generate_command)
     p.add_argument("dir", help="a checkpoint folder or Hub id")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the text to continue (or, with a chat template, the user message)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate at most (default 32)")
     p.add_argument("--tokenizer", help="tokenizer folder or Hub id, if DIR has none")
     chat = p.add_mutually_exclusive_group()

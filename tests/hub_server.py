@@ -137,7 +137,7 @@ class _Handler(BaseHTTPRequestHandler):
         repo_id = f"{data.get('organization') or self.hub.user}/{data['name']}"
         if repo_id in self.hub.repos:
             return self._json(409, {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo_id}"})
-        repo = Repo(private=bool(data.get("private")))
+        repo = Repo(private=data.get("visibility") == "private" or data.get("private") is True)
         repo.files[".gitattributes"] = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
         repo.commits.append(secrets.token_hex(20))
         self.hub.repos[repo_id] = repo
@@ -175,7 +175,7 @@ class _Handler(BaseHTTPRequestHandler):
             rev, _, folder = rev.partition("/")
             return self._tree(repo, rev, unquote(folder))
         if action in (None, "revision") and self.command == "GET":
-            if rev not in ("main", *repo.commits):
+            if rev not in (*repo.branches, *repo.commits):
                 return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
             return self._json(200, {
                 "id": repo_id, "modelId": repo_id, "sha": repo.head, "private": False,
@@ -184,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
         return False
 
     def _tree(self, repo: Repo, rev: str, folder: str):
-        if rev not in ("main", *repo.commits):
+        if rev not in (*repo.branches, *repo.commits):
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         recursive = "recursive=true" in urlsplit(self.path).query.lower()
         prefix = folder.rstrip("/") + "/" if folder else ""
@@ -293,7 +293,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, "RepoNotFound", f"Repository Not Found: {head}")
         rev, _, filename = rest.partition("/")
         rev, filename = unquote(rev), unquote(filename)
-        if rev not in ("main", *repo.commits):
+        if rev not in (*repo.branches, *repo.commits):
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         data = repo.files.get(filename)
         if data is None:

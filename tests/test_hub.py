@@ -106,3 +106,60 @@ def test_cli_quantizes_a_hub_model_and_pushes_it(hub, tiny_llama_dir, ids, tmp_p
 def test_loading_a_missing_repo_is_a_clear_error(hub, tmp_path):
     with pytest.raises(OSError, match="user/nothing-here"):
         AutoModelForCausalLM.from_pretrained("user/nothing-here", cache_dir=tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------- hf-aoq push, and checks before quantizing
+@pytest.fixture
+def saved(tiny_llama_dir, tmp_path):
+    out = tmp_path / "saved"
+    assert cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int8", "--out", str(out)]) == 0
+    return out
+
+
+def test_push_command_uploads_a_saved_folder_private_to_a_branch_or_as_a_pr(hub, saved, capsys):
+    assert cli.main(["push", str(saved), "user/pushed", "--private"]) == 0
+    repo = hub.repos["user/pushed"]
+    assert repo.private and repo.commit_revisions[-1] == "main"
+    assert repo.files["model.safetensors"] == (saved / "model.safetensors").read_bytes()
+    card = repo.files["README.md"].decode()
+    assert 'from_pretrained("user/pushed")' in card and "weight SQNR" in card  # quantize's figures are kept
+    assert not [p for p in repo.files if p.startswith(".") and p != ".gitattributes"]
+    assert f"pushed to {hub.url}/user/pushed/commit/" in capsys.readouterr().out
+
+    # (The test hub keeps one set of files for all branches: each push below changes a file.)
+    (saved / "notes.txt").write_text("for the dev branch")
+    assert cli.main(["push", str(saved), "user/pushed", "--revision", "dev"]) == 0
+    assert "dev" in repo.branches and repo.commit_revisions[-1] == "dev"
+    (saved / "notes.txt").write_text("for a pull request")
+    assert cli.main(["push", str(saved), "user/pushed", "--create-pr"]) == 0
+    assert repo.pull_requests and f"{hub.url}/user/pushed/discussions/1" in capsys.readouterr().out
+
+
+def test_push_to_hub_checks_the_token_before_quantizing(hub, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "o"
+    argv = ["quantize", str(tiny_llama_dir), "--scheme", "int8", "--out", str(out), "--push-to-hub", "user/x"]
+    assert cli.main(argv + ["--token", "hf_wrong"]) == 2
+    assert "does not accept this token (401)" in capsys.readouterr().err
+    monkeypatch.delenv("HF_TOKEN")
+    assert cli.main(argv) == 2
+    assert "pushing needs a Hub token" in capsys.readouterr().err
+    assert cli.main(argv[:-1] + ["not a repo id"]) == 2
+    assert "not a Hub repo id" in capsys.readouterr().err
+    assert not out.exists() and not hub.repos  # nothing quantized, nothing created
+
+
+def test_a_failed_push_says_what_was_saved_and_how_to_retry(hub, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import HfApi
+
+    def no_network(self, **kwargs):
+        raise ConnectionError("[Errno 101] Network is unreachable")
+
+    monkeypatch.setattr(HfApi, "upload_folder", no_network)
+    out = tmp_path / "o"
+    argv = ["quantize", str(tiny_llama_dir), "--scheme", "int8", "--out", str(out), "--push-to-hub", "user/x",
+            "--private"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"the checkpoint is saved in {out}, but pushing it to user/x failed" in err
+    assert f"retry with: hf-aoq push {out} user/x --private" in err
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
