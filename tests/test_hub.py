@@ -163,3 +163,18 @@ def test_a_failed_push_says_what_was_saved_and_how_to_retry(hub, tiny_llama_dir,
     assert f"the checkpoint is saved in {out}, but pushing it to user/x failed" in err
     assert f"retry with: hf-aoq push {out} user/x --private" in err
     assert AutoModelForCausalLM.from_pretrained(out) is not None
+
+
+def test_the_hub_base_models_license_is_carried_over(hub, tiny_llama_dir, tmp_path, capsys):
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo("user/licensed")
+    api.upload_folder(folder_path=str(tiny_llama_dir), repo_id="user/licensed")
+    api.upload_file(path_or_fileobj=b"---\nlicense: apache-2.0\n---\n# Base\n", path_in_repo="README.md",
+                    repo_id="user/licensed")
+    out = tmp_path / "q"
+    assert cli.main(["quantize", "user/licensed", "--scheme", "int8", "--out", str(out), "--no-measure"]) == 0
+    meta = yaml.safe_load((out / "README.md").read_text().split("---\n", 2)[1])
+    assert meta["license"] == "apache-2.0" and meta["base_model"] == "user/licensed"
+    assert meta["pipeline_tag"] == "text-generation"

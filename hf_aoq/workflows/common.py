@@ -31,7 +31,10 @@ def parse_size(value, option: str = "--max-shard-size") -> int:
     """`value` (an int, digits for bytes, or "5GB", "500MB", "1.5GB", "100KB" as save_pretrained's
     `max_shard_size` takes it) as a positive number of bytes. The units are huggingface_hub's own
     parser (`parse_size_to_int`, what save_pretrained's shard splitter calls): powers of 1000."""
-    from huggingface_hub.serialization._base import parse_size_to_int  # the splitter's own parser
+    try:  # private, but it is exactly what save_pretrained's shard splitter reads the size with
+        from huggingface_hub.serialization._base import parse_size_to_int
+    except ImportError:  # renamed in some release: transformers' public parser (integer sizes only)
+        from transformers.utils.hub import convert_file_size_to_int as parse_size_to_int
 
     if isinstance(value, int) and not isinstance(value, bool):
         size = value

@@ -174,7 +174,8 @@ def quantize_checkpoint(model: str, config, out, *, load: LoadOptions | None = N
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": parse_size(max_shard_size)}
     check_out_folder(out, overwrite)
     load_kwargs = load.kwargs()
-    check_model_source(model, revision=load.revision, token=load.token)
+    if check_model_source(model, revision=load.revision, token=load.token) == "hub":
+        _fetch_card(model, load)
     if isinstance(push, str):
         push = check_push_target(push, token=load.token)
     if push is not None:
@@ -231,6 +232,18 @@ def quantize_checkpoint(model: str, config, out, *, load: LoadOptions | None = N
         except Exception as e:
             raise push_failed(out, push, e) from e
     return result
+
+
+def _fetch_card(repo_id: str, load: LoadOptions) -> None:
+    """Put the base model's card into the Hub cache, where the model card reads its license."""
+    from huggingface_hub import hf_hub_download
+
+    from ..model_card import CARD_NAME
+
+    try:
+        hf_hub_download(repo_id, CARD_NAME, revision=load.revision, token=load.token)
+    except Exception as e:  # no card, or no network: the card then has no license, nothing else lost
+        log(f"{repo_id} has no model card to take the license from ({type(e).__name__})")
 
 
 def _swap_in(staging: Path, out: Path) -> None:
