@@ -267,8 +267,9 @@ def convert_torchao_command(args) -> int:
 
 
 def demo_command(args) -> int:
-    from .workflows import demo
+    from .workflows import busy_note, demo
 
+    note = busy_note()
     r = demo(args.out, group_size=args.group_size, prompt=args.prompt, new_tokens=args.new_tokens,
              overwrite=args.overwrite)
     print(f"quantized while loading in {r.quantize_seconds:.1f} s ({r.config}); saved to {r.out}")
@@ -280,6 +281,8 @@ def demo_command(args) -> int:
     print(f"{'int4':6}{r.int4_bytes / 1e6:>12.1f}{r.int4.tokens_per_second:>12.1f}")
     print(f"int4/bf16: size {r.int4_bytes / r.bf16_bytes:.2f}x, speed {r.int4.tokens_per_second / r.bf16.tokens_per_second:.2f}x "
           f"(the embeddings stay bf16; `--scheme int4` of hf-aoq quantize makes the same)")
+    if note:
+        print(note, file=sys.stderr)
     return 0
 
 
