@@ -230,3 +230,17 @@ def test_without_the_private_upload_method_saving_still_writes_the_card(tiny_lla
     model.save_pretrained(tmp_path)
     assert START in (tmp_path / "README.md").read_text()
 
+
+
+def test_the_card_and_the_writers_name_the_version_without_the_package_root():
+    # issue 14: serialization and model_card took __version__ from hf_aoq/__init__, which imports
+    # the transformers integration, which imports them. They now read hf_aoq/_version.py. (Started
+    # as the command line, the root imports nothing, so an upward import would show here.)
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.argv = ['hf-aoq']\nimport hf_aoq.model_card, hf_aoq.serialization.common as c\n"
+            "assert c.reader_version() == hf_aoq._version.__version__\n"
+            "print('hf_aoq.integrations.transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "False", result.stderr
