@@ -51,6 +51,7 @@ def check_push_target(repo_id: str, *, token: str | None = None, private: bool |
         raise UsageError("pushing needs a Hub token with write access: run `hf auth login`, set HF_TOKEN, or pass "
                          "--token")
     api = HfApi(token=token)
+    user = None
     try:
         user = api.whoami()
         repo = api.create_repo(repo_id, exist_ok=True, private=private).repo_id
@@ -60,7 +61,7 @@ def check_push_target(repo_id: str, *, token: str | None = None, private: bool |
             raise UsageError(f"{hub_endpoint()} does not accept this token (401); log in again (`hf auth login`) "
                              f"or pass another --token") from None
         if status == 403:
-            raise UsageError(f"the token of {_name(locals().get('user'))} may not create or write {repo_id} (403); "
+            raise UsageError(f"the token of {_name(user)} may not create or write {repo_id} (403); "
                              f"use a token with write access to its owner") from None
         raise UsageError(f"the Hub refused {repo_id}: {_reason(e)}") from None
     except Exception as e:

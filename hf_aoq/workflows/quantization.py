@@ -193,7 +193,8 @@ def quantize_checkpoint(model: str, config, out, *, load: LoadOptions | None = N
     staging = out.parent / f".{out.name}.hf_aoq-{secrets.token_hex(4)}.tmp"
     staging.mkdir()
     try:
-        if (out / model_card.CARD_NAME).is_file():  # the user's card text survives an overwrite
+        users_card = (out / model_card.CARD_NAME).is_file()
+        if users_card:  # the user's card text survives an overwrite
             shutil.copy2(out / model_card.CARD_NAME, staging / model_card.CARD_NAME)
         log(f"quantized in {seconds:.1f} s; saving to {out}")
         quantized.save_pretrained(staging, **save_kwargs)  # writes the model card too (hf_aoq.model_card)
@@ -214,6 +215,8 @@ def quantize_checkpoint(model: str, config, out, *, load: LoadOptions | None = N
             except Exception as e:  # e.g. float weights stored as .bin only
                 log(f"quality not measured ({type(e).__name__}: {e})")
         model_card.set_quality(quantized, quality)
+        if not users_card:  # the card save_pretrained wrote is made again whole, with what is known now
+            (staging / model_card.CARD_NAME).unlink(missing_ok=True)
         model_card.write_model_card(staging, info=info, base_model=card_base_model or model, load_name=str(out),
                                     quality=quality, revision=load.revision)
         _swap_in(staging, out)
