@@ -178,3 +178,16 @@ def test_the_hub_base_models_license_is_carried_over(hub, tiny_llama_dir, tmp_pa
     meta = yaml.safe_load((out / "README.md").read_text().split("---\n", 2)[1])
     assert meta["license"] == "apache-2.0" and meta["base_model"] == "user/licensed"
     assert meta["pipeline_tag"] == "text-generation"
+
+
+def test_a_hub_id_the_hub_does_not_have_is_said_before_loading(hub, tmp_path, capsys):
+    argv = ["quantize", "user/nothing-here", "--scheme", "int8", "--out", str(tmp_path / "o")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"user/nothing-here: no such model on {hub.url} (check the spelling)" in err, err
+    from huggingface_hub import HfApi
+
+    HfApi().create_repo("user/exists")
+    argv[1] = "user/exists"
+    assert cli.main(argv + ["--revision", "v9"]) == 2
+    assert "user/exists has no revision 'v9'" in capsys.readouterr().err
