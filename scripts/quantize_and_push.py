@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Quantize a model and push it to the Hub: `hf-aoq quantize MODEL ... --push-to-hub REPO` as a
-script to keep next to a model's release notes or to edit. It calls the CLI's own functions
-(hf_aoq.cli.build_aoq_config, quantize_checkpoint, push_folder), not copies of them.
+script to keep next to a model's release notes or to edit. It takes the options of `hf-aoq
+quantize` and runs that command (hf_aoq.cli), whose job is the library's
+hf_aoq.workflows.quantize_checkpoint: no copy of either.
 
     .venv/bin/python scripts/quantize_and_push.py HuggingFaceTB/SmolLM2-135M me/SmolLM2-135M-aoq-int4 \\
-        --scheme int4 --group-size 64 --skip lm_head
+        --scheme int4 --skip lm_head --private
 
 The checkpoint is saved to --out (default: a folder named after the repo), with its tokenizer and
-model card, then uploaded in one commit; set HF_TOKEN (or run `hf auth login`) first. --no-push
-stops after saving.
+model card, then uploaded in one commit; set HF_TOKEN (or run `hf auth login`) first: the token
+and the repo are checked before quantizing. --no-push stops after saving.
 """
 from __future__ import annotations
 

@@ -31,6 +31,10 @@ class Repo:
     files: dict[str, bytes] = field(default_factory=dict)
     lfs: set[str] = field(default_factory=set)  # paths stored through LFS
     commits: list[str] = field(default_factory=list)  # newest last
+    private: bool = False
+    branches: set[str] = field(default_factory=lambda: {"main"})
+    commit_revisions: list[str] = field(default_factory=list)  # the revision each commit was made to
+    pull_requests: list[str] = field(default_factory=list)  # commits made with create_pr
 
     @property
     def head(self) -> str:
@@ -42,8 +46,9 @@ class Repo:
 
 
 class HubServer:
-    def __init__(self, user: str = "user"):
+    def __init__(self, user: str = "user", token: str = "hf_local_test_token"):
         self.user = user
+        self.token = token  # the one token whoami accepts
         self.repos: dict[str, Repo] = {}
         self.lfs_objects: dict[str, bytes] = {}  # sha256 -> content, uploaded but maybe not committed
         self.requests: list[tuple[str, str]] = []
@@ -132,7 +137,7 @@ class _Handler(BaseHTTPRequestHandler):
         repo_id = f"{data.get('organization') or self.hub.user}/{data['name']}"
         if repo_id in self.hub.repos:
             return self._json(409, {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo_id}"})
-        repo = Repo()
+        repo = Repo(private=data.get("visibility") == "private" or data.get("private") is True)
         repo.files[".gitattributes"] = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
         repo.commits.append(secrets.token_hex(20))
         self.hub.repos[repo_id] = repo
@@ -161,12 +166,16 @@ class _Handler(BaseHTTPRequestHandler):
         if action == "preupload" and self.command == "POST":
             return self._preupload(repo, json.loads(self._body()))
         if action == "commit" and self.command == "POST":
-            return self._commit(repo_id, repo, self._body())
+            return self._commit(repo_id, repo, self._body(), rev)
+        if action == "branch" and self.command == "POST":
+            self._body()
+            repo.branches.add(rev)
+            return self._json(200, {})
         if action == "tree" and self.command == "GET":
             rev, _, folder = rev.partition("/")
             return self._tree(repo, rev, unquote(folder))
         if action in (None, "revision") and self.command == "GET":
-            if rev not in ("main", *repo.commits):
+            if rev not in (*repo.branches, *repo.commits):
                 return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
             return self._json(200, {
                 "id": repo_id, "modelId": repo_id, "sha": repo.head, "private": False,
@@ -175,7 +184,7 @@ class _Handler(BaseHTTPRequestHandler):
         return False
 
     def _tree(self, repo: Repo, rev: str, folder: str):
-        if rev not in ("main", *repo.commits):
+        if rev not in (*repo.branches, *repo.commits):
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         recursive = "recursive=true" in urlsplit(self.path).query.lower()
         prefix = folder.rstrip("/") + "/" if folder else ""
@@ -204,7 +213,10 @@ class _Handler(BaseHTTPRequestHandler):
             files.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
         self._json(200, {"files": files, "commitOid": repo.head})
 
-    def _commit(self, repo_id: str, repo: Repo, body: bytes):
+    def _commit(self, repo_id: str, repo: Repo, body: bytes, rev: str = "main"):
+        create_pr = "create_pr=1" in urlsplit(self.path).query
+        if rev not in repo.branches and not create_pr:
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         lines = [json.loads(line) for line in body.splitlines() if line.strip()]
         if not lines or lines[0].get("key") != "header":
             return self._error(400, "BadRequest", "a commit starts with a header line")
@@ -232,8 +244,13 @@ class _Handler(BaseHTTPRequestHandler):
                 repo.files[p] = change[0]
                 (repo.lfs.add if change[1] else repo.lfs.discard)(p)
         repo.commits.append(secrets.token_hex(20))
+        repo.commit_revisions.append(rev)
+        pr = None
+        if create_pr:
+            repo.pull_requests.append(repo.head)
+            pr = f"{self.hub.url}/{repo_id}/discussions/{len(repo.pull_requests)}"
         self._json(200, {"commitUrl": f"{self.hub.url}/{repo_id}/commit/{repo.head}", "commitOid": repo.head,
-                         "success": True, "pullRequestUrl": None})
+                         "success": True, "pullRequestUrl": pr})
 
     # ------------------------------------------------------------------ LFS
     def _lfs_batch(self, path):
@@ -276,7 +293,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, "RepoNotFound", f"Repository Not Found: {head}")
         rev, _, filename = rest.partition("/")
         rev, filename = unquote(rev), unquote(filename)
-        if rev not in ("main", *repo.commits):
+        if rev not in (*repo.branches, *repo.commits):
             return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         data = repo.files.get(filename)
         if data is None:
@@ -293,7 +310,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, data, headers, "application/octet-stream")
 
 
+def _whoami(handler: _Handler, path):
+    if handler.headers.get("Authorization") != f"Bearer {handler.hub.token}":
+        return handler._error(401, "Unauthorized", "Invalid credentials in Authorization header")
+    handler._json(200, {"type": "user", "name": handler.hub.user, "auth": {"type": "access_token"}})
+
+
 _ROUTES = [
+    (("GET",), "/api/whoami-v2", _whoami),
     (("POST",), "/api/repos/create", _Handler._create_repo),
     (("POST",), "/api/validate-yaml", _Handler._validate_yaml),
     (("GET", "POST"), "/api/models/", _Handler._api_models),

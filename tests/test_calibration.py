@@ -124,7 +124,7 @@ def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path, capsys):
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(f"w{i % 500 + 3}" for i in range(200)))
     out = tmp_path / "int4"
-    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--group-size", "32",
+    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4-plain", "--group-size", "32",
                    "--calibration", str(text), "--calibration-tokens", "128", "--out", str(out), "--no-measure"])
     assert rc == 0
     again = AutoModelForCausalLM.from_pretrained(out)

@@ -44,7 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_aoq
-from hf_aoq import cli
+from hf_aoq import cli, workflows
 from hf_aoq.configs import SCHEMES, config_for_scheme, recipe_to_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ pytestmark = pytest.mark.usefixtures("no_network")  # the tests below must not n
 @pytest.fixture(scope="module")
 def int4_dir(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "int4"
-    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--group-size", "32",
+    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4-plain", "--group-size", "32",
                    "--skip", "model.layers.1.mlp", "--out", str(out)])
     assert rc == 0
     return out
@@ -79,17 +79,22 @@ def test_each_scheme_name_builds_its_config(scheme):
     cfg = config_for_scheme(scheme)
     expected = {
         "int4": hf_aoq.Int4DQWeightOnlyConfig(),  # about g128's size, g32's accuracy
+        "int4-plain": hf_aoq.Int4WeightOnlyConfig(group_size=128),
         "int8": hf_aoq.Int8WeightOnlyConfig(),
         "int8-dyn": hf_aoq.Int8DynamicActivationInt8WeightConfig(),
         "fp8": hf_aoq.Float8WeightOnlyConfig(),
         "fp8-dyn": hf_aoq.Float8DynamicActivationFloat8WeightConfig(),
     }[scheme]
     assert cfg == expected
-    assert cli.build_aoq_config(scheme).quant_type == expected
+    assert workflows.build_aoq_config(scheme).quant_type == expected
 
 
 def test_group_size_reaches_the_config():
-    assert config_for_scheme("int4", 64) == hf_aoq.Int4WeightOnlyConfig(group_size=64)
+    # One rule: the group size changes the scheme's group size, never its tensor type (issue 20,
+    # item 6: `--scheme int4 --group-size 32` used to switch to plain int4 at 5 bits per weight).
+    assert config_for_scheme("int4", 32) == hf_aoq.Int4DQWeightOnlyConfig(group_size=32)
+    assert config_for_scheme("int4", 64) == hf_aoq.Int4DQWeightOnlyConfig(group_size=64)
+    assert config_for_scheme("int4-plain", 64) == hf_aoq.Int4WeightOnlyConfig(group_size=64)
     assert config_for_scheme("int8", 64) == hf_aoq.Int8WeightOnlyConfig(group_size=64)
     with pytest.raises(hf_aoq.AOQError, match="no group size"):
         config_for_scheme("fp8", 64)
@@ -181,13 +186,15 @@ def test_generate_prints_the_greedy_text_and_speed(int4_dir, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["quantize", "/no/such/model", "--scheme", "int4", "--out", "{tmp}/o"], "no such folder"),
     (["quantize", "{model}", "--scheme", "fp8", "--group-size", "64", "--out", "{tmp}/o"], "no group size"),
-    (["quantize", "{model}", "--out", "{tmp}/o"], "--scheme int4|int8"),
+    (["quantize", "{model}", "--out", "{tmp}/o"], "--scheme int4|int4-plain|int8"),
+    (["quantize", "{model}", "--scheme", "int4", "--group-size", "128", "--out", "{tmp}/o"],
+     "--scheme int4 (Int4DQ) takes --group-size 32 or 64; for plain int4 in groups of 128 use --scheme int4-plain"),
     (["quantize", "{model}", "--recipe", "{tmp}/bad.json", "--out", "{tmp}/o"], "bad.json is not valid JSON"),
     (["quantize", "{model}", "--recipe", "{tmp}/unknown.json", "--out", "{tmp}/o"], "unknown.json"),
     (["quantize", "{model}", "--recipe", "{tmp}/missing.json", "--out", "{tmp}/o"], "cannot read the recipe file"),
     (["quantize", "{model}", "--scheme", "int4", "--out", "{model}"], "pass --overwrite"),
     (["quantize", "{model}", "--scheme", "int4", "--calibration", "{tmp}/bad.json", "--out", "{tmp}/o"],
-     "--calibration (GPTQ) chooses plain int4 groups: add --group-size 128"),
+     "--calibration (GPTQ) chooses plain int4 weights: use --scheme int4-plain"),
     (["quantize", "{tmp}", "--scheme", "int4", "--out", "{tmp}/o"], "has no config.json"),
     (["inspect", "{tmp}/nothing"], "no such folder"),
     (["inspect", "{model}", "--error", "{tmp}/nothing"], "--error"),
@@ -289,7 +296,7 @@ def test_max_shard_size_reads_what_save_pretrained_reads(value, size):
 
 def test_quantize_max_shard_size_writes_shards_with_an_index(int4_dir, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "sharded"
-    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--group-size", "32",
+    rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4-plain", "--group-size", "32",
                    "--skip", "model.layers.1.mlp", "--out", str(out), "--max-shard-size", "100KB", "--no-measure"])
     assert rc == 0, capsys.readouterr().err
     shards = sorted(p.name for p in out.glob("*.safetensors"))

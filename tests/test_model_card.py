@@ -2,6 +2,7 @@
 model_cards/): a new README.md, or the quantization section added to the card already there,
 idempotently; its content comes from the saved files."""
 import json
+import shutil
 import os
 from importlib import resources
 from pathlib import Path
@@ -65,7 +66,11 @@ def test_a_card_already_there_is_kept_and_gets_the_section_once(quantized, tmp_p
     (tmp_path / "README.md").write_text(mine)
     quantized.save_pretrained(tmp_path)
     first = (tmp_path / "README.md").read_text()
-    assert first.startswith(mine) and first.count(START) == 1 and first.count(END) == 1
+    # The user's front matter and text are kept; the front matter gains the keys it lacked.
+    meta = front_matter(first)
+    assert meta["license"] == "apache-2.0" and meta["library_name"] == "transformers" and "hf_aoq" in meta["tags"]
+    assert first.split("---\n", 2)[2].startswith("\n# My quantized model\n\nNotes I wrote.\n")
+    assert first.count(START) == 1 and first.count(END) == 1
     assert "## Quantization" in first and "# My quantized model" in first
 
     # Edits outside the section survive a second save; the section is rewritten, not repeated.
@@ -154,3 +159,88 @@ def test_a_card_that_cannot_be_written_warns_and_keeps_the_checkpoint(quantized,
     with pytest.warns(UserWarning, match="could not write the model card"):
         quantized.save_pretrained(tmp_path)
     assert read_checkpoint(tmp_path).loads
+
+
+# ---------------------------------------------------------------------- front matter (issue 20, item 7)
+def test_the_front_matter_is_a_valid_model_card_with_task_and_tags(quantized, tmp_path):
+    from huggingface_hub import ModelCard
+
+    quantized.save_pretrained(tmp_path)
+    card = ModelCard.load(tmp_path / "README.md")  # huggingface_hub parses it back
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"hf_aoq", "quantized", "int4", "int8"} <= set(card.data.tags)
+
+
+def test_a_local_folder_whose_card_names_a_hub_model_gives_base_model_and_license(tiny_llama_dir, tmp_path):
+    local = tmp_path / "my-copy"
+    shutil.copytree(tiny_llama_dir, local)
+    (local / "README.md").write_text("---\nbase_model: HuggingFaceTB/SmolLM2-135M\nlicense: apache-2.0\n---\n# Mine\n")
+    model = AutoModelForCausalLM.from_pretrained(local, quantization_config=hf_aoq.AOQConfig(hf_aoq.Int8WeightOnlyConfig()))
+    model.save_pretrained(tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    meta = front_matter(card)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and meta["base_model_relation"] == "quantized"
+    assert meta["license"] == "apache-2.0"
+    assert f"(from the local folder `{local}`)" in card
+
+
+def test_a_hub_cache_snapshot_folder_names_its_repo(tiny_llama_dir, tmp_path):
+    snapshot = tmp_path / "hub" / "models--someone--tiny" / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_llama_dir, snapshot)
+    model = AutoModelForCausalLM.from_pretrained(snapshot, quantization_config=hf_aoq.AOQConfig(hf_aoq.Int8WeightOnlyConfig()))
+    model.save_pretrained(tmp_path / "out")
+    meta = front_matter((tmp_path / "out" / "README.md").read_text())
+    assert meta["base_model"] == "someone/tiny" and meta["base_model_relation"] == "quantized"
+    assert "license" not in meta  # the snapshot has no card: nothing to carry over
+
+
+def test_merge_adds_missing_keys_keeps_the_users_and_is_idempotent():
+    new = model_card.render_card(_info([TensorInfo("a.0.w.weight", "int4 g32 asym", (4, 32), 256, 80, True)]),
+                                 base_model="org/base")
+    mine = "---\nlicense: mit\ntags:\n- mine\nbase_model: org/other\n---\n\n# Mine\n"
+    merged = model_card.merge(mine, new)
+    meta = front_matter(merged)
+    assert meta["license"] == "mit" and meta["base_model"] == "org/other" and "base_model_relation" not in meta
+    assert meta["tags"][:1] == ["mine"] and {"hf_aoq", "int4"} <= set(meta["tags"])
+    assert model_card.merge(merged, new) == merged
+    # A front matter that is not a mapping only gets the section.
+    odd = "---\n- a list\n---\n# Odd\n"
+    assert model_card.merge(odd, new).startswith(odd) and START in model_card.merge(odd, new)
+
+
+# ---------------------------------------------------------------------- no global patch (issue 14)
+def test_transformers_classes_are_not_patched_only_quantized_instances(quantized, tiny_llama_dir, tmp_path):
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import PreTrainedModel as Original
+
+    # transformers' own functions (a wrapper made by functools.wraps keeps the name, not the code)
+    assert PreTrainedModel.save_pretrained.__code__.co_filename.endswith("modeling_utils.py")
+    assert PreTrainedModel._upload_modified_files.__code__.co_filename.endswith("hub.py")
+    assert "save_pretrained" in vars(quantized) and "_upload_modified_files" in vars(quantized)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert "save_pretrained" not in vars(plain) and Original is PreTrainedModel
+
+
+def test_without_the_private_upload_method_saving_still_writes_the_card(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    from transformers.utils.hub import PushToHubMixin
+
+    monkeypatch.delattr(PushToHubMixin, "_upload_modified_files")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=hf_aoq.AOQConfig(hf_aoq.Int8WeightOnlyConfig()))
+    assert "no PreTrainedModel._upload_modified_files" in caplog.text
+    model.save_pretrained(tmp_path)
+    assert START in (tmp_path / "README.md").read_text()
+
+
+
+def test_the_card_and_the_writers_name_the_version_without_the_package_root():
+    # issue 14: serialization and model_card took __version__ from hf_aoq/__init__, which imports
+    # the transformers integration, which imports them. They now read hf_aoq/_version.py. (Started
+    # as the command line, the root imports nothing, so an upward import would show here.)
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.argv = ['hf-aoq']\nimport hf_aoq.model_card, hf_aoq.serialization.common as c\n"
+            "assert c.reader_version() == hf_aoq._version.__version__\n"
+            "print('hf_aoq.integrations.transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "False", result.stderr

@@ -30,7 +30,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import model_card, serialization
-from ..configs import AOQBaseConfig, FqnToConfig, recipe_from_dict, recipe_to_dict
+from ..configs import AOQBaseConfig, FqnToConfig, Int4WeightOnlyConfig, recipe_from_dict, recipe_to_dict
 from ..core import memory
 from ..core.errors import AOQError, FormatError
 from ..core.registry import DTYPES, tensor_type
@@ -47,7 +47,8 @@ _CONFIG_KEYS = (
     "version",
     "quant_type",
     "modules_to_not_convert",
-    "include_embeddings",
+    "include_input_output_embeddings",
+    "include_embeddings",  # the name before 0.1.1; still read from config.json files
     "untie_embedding_weights",
     "dequantize",
     "calibration",
@@ -61,7 +62,9 @@ class AOQConfig(QuantizationConfigMixin):
     quant_type               a quantization config (for every nn.Linear weight) or an FqnToConfig
     modules_to_not_convert   module names or regexes never quantized, matched as transformers does
                              (from the start of a name up to a dot, or as a suffix)
-    include_embeddings       also quantize the input embedding and the output embedding (lm_head)
+    include_input_output_embeddings
+                             also quantize the input embedding and the output embedding (lm_head),
+                             TorchAoConfig's name (`include_embeddings` is the older name, accepted)
     untie_embedding_weights  when the model ties them, give the output embedding its own weight
     dequantize               load an "aoq" checkpoint as a float model (quant_type may be None)
     calibration              a UTF-8 text file: load the float weights, then choose every int4
@@ -74,14 +77,17 @@ class AOQConfig(QuantizationConfigMixin):
         self,
         quant_type: AOQBaseConfig | FqnToConfig | None = None,
         modules_to_not_convert: list[str] | None = None,
-        include_embeddings: bool = False,
+        include_input_output_embeddings: bool | None = None,
         untie_embedding_weights: bool = False,
         dequantize: bool = False,
         calibration: str | None = None,
         calibration_tokens: int = 2048,
+        include_embeddings: bool | None = None,
     ):
+        include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
         for name, value in (
-            ("include_embeddings", include_embeddings),
+            ("include_input_output_embeddings" if include_embeddings is None else "include_embeddings",
+             include_input_output_embeddings),
             ("untie_embedding_weights", untie_embedding_weights),
             ("dequantize", dequantize),
         ):
@@ -114,7 +120,7 @@ class AOQConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.quant_type = quant_type
         self.modules_to_not_convert = modules_to_not_convert
-        self.include_embeddings = include_embeddings
+        self.include_input_output_embeddings = include_input_output_embeddings
         self.untie_embedding_weights = untie_embedding_weights
         self.dequantize = dequantize
 
@@ -126,7 +132,7 @@ class AOQConfig(QuantizationConfigMixin):
             "version": CONFIG_VERSION,
             "quant_type": None if self.quant_type is None else recipe_to_dict(self.quant_type),
             "modules_to_not_convert": None if skips is None else list(skips),
-            "include_embeddings": self.include_embeddings,
+            "include_input_output_embeddings": self.include_input_output_embeddings,
             "untie_embedding_weights": self.untie_embedding_weights,
             "dequantize": self.dequantize,
             # Written only when used, so that older readers still read every other config.
@@ -165,7 +171,9 @@ class AOQConfig(QuantizationConfigMixin):
         if skips is not None and not (isinstance(skips, list) and all(isinstance(s, str) for s in skips)):
             raise FormatError(f"{where}.modules_to_not_convert: expected a list of strings or null, got {skips!r}")
         args["modules_to_not_convert"] = skips
-        for key in ("include_embeddings", "untie_embedding_weights", "dequantize"):
+        for key in ("include_input_output_embeddings", "include_embeddings", "untie_embedding_weights", "dequantize"):
+            if key not in config_dict and key.startswith("include"):
+                continue  # either name may be missing (include_embeddings: files before 0.1.1)
             value = config_dict.get(key, False)
             if not isinstance(value, bool):
                 raise FormatError(f"{where}.{key}: expected true or false, got {value!r}")
@@ -192,6 +200,15 @@ class AOQConfig(QuantizationConfigMixin):
             raise FormatError(f"{where}: {e}") from None
         return (config, unused) if return_unused_kwargs else config
 
+    @property
+    def include_embeddings(self) -> bool:
+        """The older name of `include_input_output_embeddings`."""
+        return self.include_input_output_embeddings
+
+    @include_embeddings.setter
+    def include_embeddings(self, value: bool) -> None:
+        self.include_input_output_embeddings = value
+
     def get_loading_attributes(self) -> dict[str, Any]:
         """What a config passed to from_pretrained may change on a checkpoint's config."""
         return {"dequantize": self.dequantize}
@@ -200,6 +217,14 @@ class AOQConfig(QuantizationConfigMixin):
         return isinstance(other, AOQConfig) and self.to_dict() == other.to_dict()
 
     __hash__ = None
+
+
+def _one_of_two_names(new: bool | None, old: bool | None) -> bool:
+    """include_input_output_embeddings, given under its name or the older include_embeddings."""
+    if new is not None and old is not None and new != old:
+        raise AOQError("AOQConfig: include_embeddings is the older name of include_input_output_embeddings; give one")
+    value = new if new is not None else old
+    return False if value is None else value
 
 
 def _module_names(model: nn.Module, target: nn.Module | None) -> set[str]:
@@ -481,6 +506,7 @@ class AOQHfQuantizer(HfQuantizer):
         if self._calibrating():
             self._quantize_with_calibration(model)
         self._release_memory(force=True)
+        model_card.attach(model)  # this model's save_pretrained and push_to_hub write its card
         return model
 
     def _release_memory(self, tensors=(), force: bool = False) -> None:
@@ -505,6 +531,7 @@ class AOQHfQuantizer(HfQuantizer):
     def _quantize_with_calibration(self, model) -> None:
         """Quantize the loaded float model by the plan, int4 linears by GPTQ on the text file."""
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         from .. import calibration, perplexity
 
@@ -525,7 +552,14 @@ class AOQHfQuantizer(HfQuantizer):
         n_tokens -= n_tokens % window
         batches = perplexity.windows(ids, tokenizer.bos_token_id, n_tokens=n_tokens, window=window)
         recipe = FqnToConfig(dict(self._configs))
-        report = calibration.quantize_with_calibration(model, recipe, batches)
+        # One step per numbered block with int4 linears (what calibration.py reports through `log`),
+        # in transformers' progress style (its tqdm honours disable_progress_bar()).
+        blocks = {m.group(0) for name, cfg in self._configs.items()
+                  if isinstance(cfg, Int4WeightOnlyConfig) and (m := _BLOCK.match(name))}
+        with hf_logging.tqdm(total=len(blocks) or None, desc="GPTQ calibration", unit="block") as bar:
+            report = calibration.quantize_with_calibration(
+                model, recipe, batches, log=lambda message: (bar.set_postfix_str(message.split(" (")[0]), bar.update())
+            )
         logger.info("hf_aoq: %s", report.summary())
 
     def get_state_dict_and_metadata(self, model):
@@ -684,6 +718,9 @@ def _check_not_renamed(model, names: list[str]) -> None:
         )
 
 
+# The numbered block a linear is in, as hf_aoq.calibration counts them ("model.layers.3.").
+_BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
+
 # Drop the checkpoint's mapped pages after about this many bytes were read from it: bounds what
 # the mapping adds to the peak resident size, at a few milliseconds per release.
 _RELEASE_EVERY = 16 << 20
@@ -741,8 +778,6 @@ def register() -> None:
     loading_types = getattr(_auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
     if isinstance(loading_types, tuple) and AOQConfig not in loading_types:
         _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = loading_types + (AOQConfig,)
-    # save_pretrained and push_to_hub of a quantized model write its model card (README.md).
-    model_card.install_save_hooks()
 
 
 register()

@@ -21,7 +21,7 @@ def error(source: str, problem: str, tensor: str | None = None, part: str | None
 
 
 def reader_version() -> str:
-    from .. import __version__  # at call time: the package has finished importing by then
+    from .._version import __version__
 
     return __version__
 

@@ -1,0 +1,165 @@
+"""Generate text with a saved checkpoint and time it (`hf-aoq generate`), and the demo that
+quantizes SmolLM2-135M and compares it with bf16 (`hf-aoq demo`)."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .common import UsageError, check_model_source, log
+
+
+@dataclass
+class Sampling:
+    """Greedy by default; `do_sample` with temperature / top-p / top-k as transformers takes them."""
+
+    do_sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+
+    def kwargs(self) -> dict:
+        if not self.do_sample:
+            return {"do_sample": False}
+        out = {"do_sample": True}
+        out.update({k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
+                                      ("top_k", self.top_k)) if v is not None})
+        return out
+
+
+@dataclass
+class Generated:
+    text: str
+    new_tokens: int
+    seconds: float
+    chat: bool  # whether the prompt went through the tokenizer's chat template
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def busy_note(load_average: float | None = None, cpus: int | None = None) -> str | None:
+    """Why tokens/s may be low on this machine, or None: other processes already keep the cores
+    busy (the 1-minute load average before generating), where OpenMP's spinning threads slow
+    every step down."""
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except (OSError, AttributeError):  # not on every OS
+            return None
+    cpus = cpus or os.cpu_count() or 1
+    if load_average < 0.75 * cpus:
+        return None
+    return (f"note: this machine is busy (load average {load_average:.1f} on {cpus} CPUs), so tokens/s is lower than "
+            f"on a quiet one; on shared cores OMP_WAIT_POLICY=PASSIVE (or fewer threads, OMP_NUM_THREADS) helps "
+            f"(README, Benchmark)")
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool | None):
+    """Token ids of `prompt`, through the tokenizer's chat template when it has one (an Instruct
+    model) unless `chat` is False; `chat=True` without a template is an error."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat and not has_template:
+        raise UsageError("--chat: this tokenizer has no chat template; drop --chat to send the prompt as plain text")
+    if chat is None:
+        chat = has_template
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        return {k: v for k, v in ids.items() if k in ("input_ids", "attention_mask")}, True
+    return dict(tokenizer(prompt, return_tensors="pt")), False
+
+
+def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, sampling: Sampling | None = None,
+             chat: bool | None = None, exact_length: bool = False) -> Generated:
+    """Generate after a one-token warm-up, timing only the generation."""
+    import torch
+
+    sampling = sampling or Sampling()
+    inputs, used_chat = _prompt_ids(tokenizer, prompt, chat)
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    extra = {"min_new_tokens": max_new_tokens} if exact_length else {}
+    with torch.inference_mode():
+        model.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=pad)  # warm-up
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        start = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling.kwargs(), **extra)
+        seconds = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1]:]
+    return Generated(tokenizer.decode(new, skip_special_tokens=True), new.numel(), seconds, used_chat)
+
+
+def load_for_generation(path: str, tokenizer_name: str | None = None, *, device_map=None, revision=None,
+                        trust_remote_code: bool = False, token=None):
+    """(model, tokenizer) of a saved checkpoint folder or Hub id, checked first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..integrations import transformers as _registers_aoq  # noqa: F401
+
+    check_model_source(path, revision=revision, token=token)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or path, revision=None if tokenizer_name else revision,
+                                                  trust_remote_code=trust_remote_code, token=token)
+    except Exception as e:
+        raise UsageError(f"no tokenizer in {tokenizer_name or path} ({type(e).__name__}); save one there with "
+                         f"tokenizer.save_pretrained, or pass --tokenizer NAME") from e
+    log(f"loading {path}")
+    kwargs = {"revision": revision, "trust_remote_code": trust_remote_code, "token": token}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval(), tokenizer
+
+
+@dataclass
+class DemoResult:
+    out: Path
+    quantize_seconds: float
+    prompt: str
+    bf16: Generated
+    int4: Generated
+    bf16_bytes: int
+    int4_bytes: int
+    config: object
+
+
+def demo(out, *, group_size: int = 32, prompt: str = "The capital of France is", new_tokens: int = 24,
+         overwrite: bool = False) -> DemoResult:
+    """SmolLM2-135M (GGUF, unpacked to bf16) quantized while loading with what `--scheme int4`
+    makes (Int4DQ), saved to `out` like `hf-aoq quantize` does, reloaded, and compared with bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .. import smollm2
+    from ..configs import config_for_scheme
+    from ..integrations.transformers import AOQConfig
+    from .quantization import check_out_folder, quantize_checkpoint
+
+    out = Path(out)
+    check_out_folder(out, overwrite)
+    torch.manual_seed(0)
+    try:
+        gguf = smollm2.gguf_path()
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    log(f"SmolLM2-135M from {gguf.name} (transformers unpacks the GGUF to bf16)")
+    base, tokenizer = smollm2.load(torch.bfloat16)
+    config = config_for_scheme("int4", group_size)
+    with tempfile.TemporaryDirectory(prefix="hf_aoq_demo_") as tmp:
+        base_dir = Path(tmp) / "bf16"
+        base.save_pretrained(base_dir)
+        tokenizer.save_pretrained(base_dir)
+        result = quantize_checkpoint(str(base_dir), AOQConfig(config), out, overwrite=overwrite, measure=False,
+                                     card_base_model=smollm2.HUB_ID)
+        bf16_bytes = sum(f.stat().st_size for f in base_dir.glob("*.safetensors"))
+    int4_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    # Plain text, no chat template: the same prompt for both, compared token for token.
+    bf16 = generate(base, tokenizer, prompt, new_tokens, chat=False, exact_length=True)
+    int4 = generate(reloaded, tokenizer, prompt, new_tokens, chat=False, exact_length=True)
+    return DemoResult(out, result.seconds, prompt, bf16, int4, bf16_bytes, int4_bytes, config)
