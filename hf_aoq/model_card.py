@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import types
 import warnings
 from collections import defaultdict
@@ -26,6 +25,7 @@ from typing import Any, Mapping
 
 from ._version import __version__
 from .checkpoint import CheckpointInfo, TensorInfo, format_bytes, read_checkpoint
+from .serialization.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -297,19 +297,6 @@ def merge(existing: str, new_card: str) -> str:
     return str(card)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_model_card(
     directory,
     *,
@@ -329,7 +316,7 @@ def write_model_card(
     path = directory / CARD_NAME
     if path.exists():
         card = merge(path.read_text(encoding="utf-8"), card)
-    _write_atomic(path, card)
+    write_atomic(path, card)
     return path
 
 

@@ -42,7 +42,7 @@ from ..core.errors import AOQError
 from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import pack_int4
 from ..core.tensor import AOQTensor
-from ..serialization import save_shards, write_atomic
+from ..serialization import replace_folder, save_shards, write_atomic
 from ..serialization.common import loads_strict
 from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor
 from ..tensors.int4 import GROUP_SIZES
@@ -475,18 +475,7 @@ def convert_torchao_checkpoint(
 
 
 def _replace_dir(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Move the finished `tmp` to `dst`; an old `dst` is removed only after the new one is in place."""
-    old = None
-    if dst.exists():
-        if not overwrite:
-            raise TorchaoConversionError(f"{dst} appeared during the conversion; not overwriting it")
-        old = dst.parent / f".{dst.name}.{secrets.token_hex(6)}.old"
-        os.replace(dst, old)
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        if old is not None:
-            os.replace(old, dst)
-        raise
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    """Move the finished `tmp` to `dst`, replacing an old `dst` as a whole (replace_folder)."""
+    if dst.exists() and not overwrite:
+        raise TorchaoConversionError(f"{dst} appeared during the conversion; not overwriting it")
+    replace_folder(tmp, dst)

@@ -11,9 +11,9 @@ that names the file, the tensor and the field.
     state_dict.py  flatten_state_dict / unflatten_state_dict
     reader.py      a strict, zero-copy reader of one safetensors file (its header alone, or all of it)
     shards.py      the one checkpoint reader: a folder's files (index), save ids, the union of the shards
-    files.py       atomic writes (save_file, save_shards, write_atomic); load_file / load_checkpoint
+    files.py       atomic writes (save_file, save_shards, write_atomic, replace_folder); load_file / load_checkpoint
 """
-from .files import load_checkpoint, load_file, save_file, save_shards, write_atomic
+from .files import load_checkpoint, load_file, replace_folder, save_file, save_shards, write_atomic
 from .metadata import FORMAT_VERSION, METADATA_KEY, SEPARATOR, TensorEntry, is_aoq_metadata, parse_metadata
 from .reader import read_header, read_safetensors
 from .shards import (
@@ -43,6 +43,7 @@ __all__ = [
     "read_loader_files",
     "read_shards",
     "save_shards",
+    "replace_folder",
     "write_atomic",
     "METADATA_KEY",
     "SEPARATOR",

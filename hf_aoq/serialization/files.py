@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic writes (`save_file`, `save_shards`, `write_atomic`) and loads that
+"""Checkpoint files: atomic writes (`save_file`, `save_shards`, `write_atomic`, `replace_folder`) and loads that
 place tensors for a device (`load_file`, `load_checkpoint`), reading through `shards`."""
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import json
 import os
 import re
 import secrets
+import shutil
+from pathlib import Path
 from typing import Callable, Mapping
 
 import safetensors
@@ -31,6 +33,24 @@ def write_atomic(path, data: bytes | str) -> None:
             f.write(payload)
 
     _replace_atomically(os.fspath(path), write)
+
+
+def replace_folder(staging, out) -> None:
+    """Put the complete folder `staging` at `out`, replacing whatever was there as a whole: the
+    old `out` is moved aside, and removed only once the new one is in place (put back if the
+    move fails), so `out` is never a mix of the two."""
+    staging, out = Path(staging), Path(out)
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    old = out.parent / f".{out.name}.{secrets.token_hex(6)}.old"
+    os.replace(out, old)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
 
 
 def save_file(

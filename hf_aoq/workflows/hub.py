@@ -114,8 +114,10 @@ def push_folder(folder, target: PushTarget | str, *, base_model: str | None = No
         except Exception as e:  # a new branch has no card yet; any other answer is reported below
             if "RevisionNotFound" not in type(e).__name__:
                 raise
+    from ..serialization import write_atomic
+
     ModelCard(card).validate()  # the Hub's own check of the front matter; ValueError says what is wrong
-    model_card._write_atomic(local, card)
+    write_atomic(local, card)
     if target.revision and not target.create_pr:
         api.create_branch(target.repo_id, branch=target.revision, exist_ok=True)
     files = sum(1 for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))

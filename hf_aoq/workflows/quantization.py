@@ -166,6 +166,7 @@ def quantize_checkpoint(model: str, config, out, *, load: LoadOptions | None = N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .. import model_card
+    from ..serialization import replace_folder
     from ..checkpoint import read_checkpoint
 
     load = load or LoadOptions(**({"dtype": dtype} if dtype else {}))
@@ -219,7 +220,7 @@ def quantize_checkpoint(model: str, config, out, *, load: LoadOptions | None = N
             (staging / model_card.CARD_NAME).unlink(missing_ok=True)
         model_card.write_model_card(staging, info=info, base_model=card_base_model or model, load_name=str(out),
                                     quality=quality, revision=load.revision)
-        _swap_in(staging, out)
+        replace_folder(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -249,16 +250,3 @@ def _fetch_card(repo_id: str, load: LoadOptions) -> None:
         log(f"{repo_id} has no model card to take the license from ({type(e).__name__})")
 
 
-def _swap_in(staging: Path, out: Path) -> None:
-    """Put the complete folder `staging` at `out`, replacing whatever was there as a whole."""
-    if not out.exists():
-        os.replace(staging, out)
-        return
-    old = out.parent / f".{out.name}.hf_aoq-old-{secrets.token_hex(4)}.tmp"
-    os.replace(out, old)
-    try:
-        os.replace(staging, out)
-    except BaseException:
-        os.replace(old, out)  # put the old checkpoint back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
