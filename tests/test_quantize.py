@@ -191,6 +191,20 @@ def test_tied_weights_stay_tied():
         quantize_(model, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int4WeightOnlyConfig(32)}))
 
 
+@pytest.mark.parametrize("recipe", [
+    FqnToConfig({"0": Int8WeightOnlyConfig(), "3": None}),
+    FqnToConfig({"3": Int8WeightOnlyConfig()}),  # the embedding has no key: left as it is
+    Int8WeightOnlyConfig(),  # reaches the Linear only
+])
+def test_a_tied_pair_resolved_two_ways_is_an_error_not_untied(recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 32, bias=False))
+    model[3].weight = model[0].weight
+    with pytest.raises(AOQError, match=r"3.weight is tied to 0.weight .*different configs"):
+        quantize_(model, recipe)
+    assert model[3].weight is model[0].weight and not isinstance(model[0].weight, AOQTensor)
+
+
 def test_module_to_dtype_and_back():
     model = quantize_(tiny(), Int4WeightOnlyConfig(32))
     with torch.no_grad():
