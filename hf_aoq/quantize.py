@@ -49,19 +49,27 @@ def tie_groups(model: nn.Module, ties: Mapping[str, str] | None = None) -> dict[
     """{parameter name: every name of its tensor, the first (the source) first} for the names
     that share a tensor. `ties` ({name: name it is tied to}, e.g. transformers'
     `all_tied_weights_keys`) declares them; by default, parameters that are one object are."""
-    groups: dict[str, list[str]] = {}
     if ties is None:
         by_id: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(param), []).append(name)
         lists = [names for names in by_id.values() if len(names) > 1]
     else:
-        by_source: dict[str, list[str]] = {}
+        # Union the declared pairs; a group lists its source (the name not tied to another) first.
+        root: dict[str, str] = {}
+
+        def find(n: str) -> str:
+            while root.setdefault(n, n) != n:
+                n = root[n]
+            return n
+
         for target, source in ties.items():
-            while source in ties and ties[source] != source:  # a chain ends at the real source
-                source = ties[source]
-            by_source.setdefault(source, [source]).append(target)
-        lists = list(by_source.values())
+            root[find(target)] = find(source)
+        members: dict[str, list[str]] = {}
+        for n in root:
+            members.setdefault(find(n), []).append(n)
+        lists = [sorted(names, key=lambda n: n in ties) for names in members.values()]
+    groups: dict[str, tuple[str, ...]] = {}
     for names in lists:
         unique = tuple(dict.fromkeys(names))
         for n in unique:
