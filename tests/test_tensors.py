@@ -402,7 +402,9 @@ def test_a_nan_activation_row_leaves_the_other_rows_alone(config, rows):
             assert torch.equal(poisoned[2:], clean[2:]), kernel.name
             assert not torch.isfinite(poisoned[1]).all(), kernel.name
             ran += 1
-    assert ran >= 2  # a CPU kernel and the reference
+    from hf_aoq.kernels import cpu_ext
+
+    assert ran >= (2 if cpu_ext.available() else 1)  # a CPU kernel (fp8's needs the extension) and the reference
 
 
 def test_int4_from_float_chooses_scales_as_the_config_does():
