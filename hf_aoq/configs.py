@@ -30,7 +30,7 @@ from .core.primitives import FLOAT8_DTYPES, QPARAM_METHODS
 from .core.registry import CONFIG_TYPES, config_type, dtype_from_name, dtype_name, register_config_type
 from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
 from .tensors import int4dq
-from .tensors.int4 import GROUP_SIZES
+from .tensors.int4 import DEFAULT_QPARAMS, GROUP_SIZES
 
 
 class AOQBaseConfig:
@@ -62,7 +62,7 @@ class Int4WeightOnlyConfig(AOQBaseConfig):
 
     group_size: int = 128
     symmetric: bool = False
-    qparams: str = "mse"
+    qparams: str = DEFAULT_QPARAMS  # "mse"; Int4Tensor.from_float has the same default
 
     def __post_init__(self):
         if self.group_size not in GROUP_SIZES:

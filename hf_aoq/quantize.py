@@ -1,8 +1,25 @@
-"""quantize_: quantize the weights of any nn.Module in place, by a config or a per-layer recipe."""
+"""The quantization plan (which config each parameter gets) and `quantize_`, which carries it out.
+
+`plan` is the one place that decides, for any nn.Module, which parameters are quantized with
+which config: `quantize_` and the transformers quantizer both call it. Its precedence, for a
+parameter `P` of module `M` (docs/transformers.md says the same for users):
+
+  1. `skip(M, P)` (the quantizer's modules_to_not_convert): left as it is.
+  2. an exact FqnToConfig key naming `P` or `M` (for `M`: its `weight`) wins over step 3.
+  3. `default_skip(M, P)` (transformers' default skips): left as it is.
+  4. the recipe: an FqnToConfig resolves with its own precedence (hf_aoq.configs); a weight of an
+     `embeddings` module that no key matches takes "_default". A single config takes the 2-D
+     `weight` of every module `filter_fn(M, name)` accepts (default: nn.Linear, and `embeddings`).
+     With an FqnToConfig, `filter_fn` (when given) further restricts the modules it reaches.
+A parameter that is already quantized is left as it is. Parameters that are one tensor (tied
+weights) are planned once: they must all resolve to the same config (or all be left as they
+are), otherwise it is an AOQError; they are never silently untied.
+"""
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
 
 from torch import nn
 
@@ -10,9 +27,148 @@ from .configs import AOQBaseConfig, FqnToConfig
 from .core.errors import AOQError
 from .core.tensor import AOQTensor
 
+Predicate = Callable[[str, str], bool]  # (module name, parameter name) -> bool
 
-def _default_filter(module: nn.Module, fqn: str) -> bool:
-    return isinstance(module, nn.Linear)
+
+@dataclass(frozen=True)
+class Decision:
+    """What the plan decided for one tensor, keyed by its first name."""
+
+    config: AOQBaseConfig
+    shape: tuple[int, ...]  # the parameter's shape when planned: a value of another shape is not it
+    place: bool  # every reader is an nn.Linear: repack (place()) for F.linear's kernels
+    tied: tuple[str, ...] = ()  # the tensor's other names, which get the same quantized tensor
+
+
+def _parent(name: str) -> tuple[str, str]:
+    module_name, _, leaf = name.rpartition(".")
+    return module_name, leaf
+
+
+def tie_groups(model: nn.Module, ties: Mapping[str, str] | None = None) -> dict[str, tuple[str, ...]]:
+    """{parameter name: every name of its tensor, the first (the source) first} for the names
+    that share a tensor. `ties` ({name: name it is tied to}, e.g. transformers'
+    `all_tied_weights_keys`) declares them; by default, parameters that are one object are."""
+    if ties is None:
+        by_id: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(param), []).append(name)
+        lists = [names for names in by_id.values() if len(names) > 1]
+    else:
+        # Union the declared pairs; a group lists its source (the name not tied to another) first.
+        root: dict[str, str] = {}
+
+        def find(n: str) -> str:
+            while root.setdefault(n, n) != n:
+                n = root[n]
+            return n
+
+        for target, source in ties.items():
+            root[find(target)] = find(source)
+        members: dict[str, list[str]] = {}
+        for n in root:
+            members.setdefault(find(n), []).append(n)
+        lists = [sorted(names, key=lambda n: n in ties) for names in members.values()]
+    groups: dict[str, tuple[str, ...]] = {}
+    for names in lists:
+        unique = tuple(dict.fromkeys(names))
+        for n in unique:
+            groups[n] = unique
+    return groups
+
+
+def reads_only_by_linear(model: nn.Module, names: Iterable[str]) -> bool:
+    """Whether every module owning one of `names` is an nn.Linear (placement is for F.linear)."""
+    return all(isinstance(model.get_submodule(_parent(n)[0]), nn.Linear) for n in names)
+
+
+def _config_for(recipe, fqn, module_fqn, module, pname, param, filter_fn, embeddings):
+    """Step 4 of the precedence for one parameter."""
+    if isinstance(recipe, FqnToConfig):
+        hit, cfg = recipe.resolve(fqn, module_fqn, module, pname)
+        if not hit and pname == "weight" and module_fqn in embeddings:
+            cfg = recipe.mapping.get("_default")
+        if filter_fn is not None and not filter_fn(module, module_fqn):
+            return None
+        return cfg
+    if pname != "weight" or param.ndim != 2:
+        return None
+    if filter_fn is not None:
+        wanted = filter_fn(module, module_fqn)
+    else:
+        wanted = isinstance(module, nn.Linear) or module_fqn in embeddings
+    return recipe if wanted else None
+
+
+def plan(
+    model: nn.Module,
+    recipe: AOQBaseConfig | FqnToConfig,
+    *,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    skip: Predicate | None = None,
+    default_skip: Predicate | None = None,
+    embeddings: Iterable[str] = (),
+    ties: Mapping[str, str] | None = None,
+) -> dict[str, Decision]:
+    """{parameter name: Decision} for every tensor of `model` that `recipe` quantizes, by the
+    precedence in this module's docstring. `embeddings` names the embedding modules a recipe
+    may reach (the quantizer's include_embeddings); `ties` as in `tie_groups`. Warns about
+    exact FqnToConfig keys that name nothing; raises AOQError for tied names that disagree."""
+    if not isinstance(recipe, (AOQBaseConfig, FqnToConfig)):
+        raise AOQError(f"expected a quantization config or FqnToConfig, got {type(recipe).__name__}")
+    embeddings = set(embeddings)
+    exact = recipe.exact_keys() if isinstance(recipe, FqnToConfig) else set()
+    seen: set[str] = set()
+    chosen: dict[str, AOQBaseConfig | None] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    frozen: set[str] = set()  # already quantized
+    # With declared ties, a module reached under two names is planned under its first (as
+    # transformers names it); otherwise every name of a shared tensor is seen.
+    for module_fqn, module in model.named_modules(remove_duplicate=ties is not None):
+        for pname, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            fqn = f"{module_fqn}.{pname}" if module_fqn else pname
+            named = fqn in exact or (pname == "weight" and module_fqn in exact)
+            if named:
+                seen.update({fqn, module_fqn} & exact)
+            shapes[fqn] = tuple(param.shape)
+            if isinstance(param, AOQTensor):
+                frozen.add(fqn)
+                cfg = None
+            elif skip is not None and skip(module_fqn, fqn):
+                cfg = None  # the caller's skips win over everything
+            elif not named and default_skip is not None and default_skip(module_fqn, fqn):
+                cfg = None  # default skips give way to an exact name only
+            else:
+                cfg = _config_for(recipe, fqn, module_fqn, module, pname, param, filter_fn, embeddings)
+            chosen[fqn] = cfg
+
+    unused = exact - seen
+    if unused:
+        warnings.warn(f"FqnToConfig names that match no parameter or module: {sorted(unused)}", stacklevel=3)
+
+    groups = tie_groups(model, ties)
+    decisions: dict[str, Decision] = {}
+    done: set[str] = set()
+    for fqn, cfg in chosen.items():
+        if fqn in done:
+            continue
+        names = tuple(n for n in groups.get(fqn, (fqn,)) if n in chosen)
+        done.update(names)
+        source = names[0]
+        for other in names[1:]:
+            if chosen[other] != chosen[source]:
+                raise AOQError(
+                    f"{other} is tied to {source} (one tensor, shared with another module), but they resolve to "
+                    f"different configs ({chosen[other]} and {chosen[source]}); give both the same config or leave "
+                    f"both as they are, or give them separate weights first (when loading with transformers: "
+                    f"AOQConfig(untie_embedding_weights=True))"
+                )
+        if chosen[source] is None or frozen & set(names):
+            continue
+        decisions[source] = Decision(
+            chosen[source], shapes[source], reads_only_by_linear(model, names), tuple(names[1:])
+        )
+    return decisions
 
 
 def quantize_(
@@ -25,48 +181,17 @@ def quantize_(
     A single config applies to the 2-D `weight` of every module for which
     `filter_fn(module, fqn)` is true (default: every nn.Linear). An FqnToConfig decides per parameter (see
     hf_aoq.configs); `filter_fn`, when given, further restricts which modules it touches.
-    A tensor shared by several modules (tied weights) is quantized once and stays shared.
+    A tensor shared by several modules (tied weights) is quantized once and stays shared; if
+    its names resolve to different configs (one of them None included), it is an AOQError.
     """
     if not isinstance(config, (AOQBaseConfig, FqnToConfig)):
         raise AOQError(f"quantize_ needs a quantization config or FqnToConfig, got {type(config).__name__}")
-    plans = []  # (module, param name, fqn, config)
-    users: dict[int, list[nn.Module]] = {}
-    seen_keys: set[str] = set()
-    for module_fqn, module in model.named_modules(remove_duplicate=False):
-        for pname, param in module.named_parameters(recurse=False):
-            users.setdefault(id(param), []).append(module)
-            fqn = f"{module_fqn}.{pname}" if module_fqn else pname
-            if isinstance(config, FqnToConfig):
-                hit, cfg = config.resolve(fqn, module_fqn, module, pname)
-                if hit:
-                    seen_keys.update({fqn, module_fqn})
-            if isinstance(param, AOQTensor):
-                continue  # already quantized (e.g. by calibration), counted as seen above
-            if isinstance(config, FqnToConfig):
-                if filter_fn is not None and not filter_fn(module, module_fqn):
-                    cfg = None
-            else:
-                wanted = pname == "weight" and param.ndim == 2
-                cfg = config if wanted and (filter_fn or _default_filter)(module, module_fqn) else None
-            if cfg is not None:
-                plans.append((module, pname, fqn, param, cfg))
-
-    if isinstance(config, FqnToConfig):
-        unused = config.exact_keys() - seen_keys
-        if unused:
-            warnings.warn(f"FqnToConfig names that match no parameter or module: {sorted(unused)}", stacklevel=2)
-
-    done: dict[int, tuple[object, nn.Parameter]] = {}
-    for module, pname, fqn, param, cfg in plans:
-        if id(param) in done:
-            first_cfg, new_param = done[id(param)]
-            if first_cfg != cfg:
-                raise AOQError(f"{fqn} is shared with another module but resolves to a different config")
-        else:
-            q = cfg.quantize_weight(param.detach(), name=fqn)
-            if all(isinstance(m, nn.Linear) for m in users[id(param)]):
-                q = q.place()
-            new_param = nn.Parameter(q, requires_grad=False)
-            done[id(param)] = (cfg, new_param)
-        setattr(module, pname, new_param)
+    for name, decision in plan(model, config, filter_fn=filter_fn).items():
+        q = decision.config.quantize_weight(model.get_parameter(name).detach(), name=name)
+        if decision.place:
+            q = q.place()
+        new_param = nn.Parameter(q, requires_grad=False)
+        for n in (name, *decision.tied):
+            module_name, leaf = _parent(n)
+            setattr(model.get_submodule(module_name), leaf, new_param)
     return model

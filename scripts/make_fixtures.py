@@ -65,10 +65,10 @@ def fixture_input(seed: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 def state_dicts_v1() -> dict[str, dict[str, torch.Tensor]]:
     return {
         "v1_int4": {
-            "asym_g32_bf16": Int4Tensor.from_float(weight(1, 16, 128, BF16), group_size=32),
-            "asym_g128_f16": Int4Tensor.from_float(weight(2, 8, 256, F16), group_size=128),
-            "sym_g64_bf16": Int4Tensor.from_float(weight(3, 16, 128, BF16), group_size=64, symmetric=True),
-            "sym_g32_f32": Int4Tensor.from_float(weight(4, 8, 64, F32), group_size=32, symmetric=True),
+            "asym_g32_bf16": Int4Tensor.from_float(weight(1, 16, 128, BF16), group_size=32, qparams="minmax"),
+            "asym_g128_f16": Int4Tensor.from_float(weight(2, 8, 256, F16), group_size=128, qparams="minmax"),
+            "sym_g64_bf16": Int4Tensor.from_float(weight(3, 16, 128, BF16), group_size=64, symmetric=True, qparams="minmax"),
+            "sym_g32_f32": Int4Tensor.from_float(weight(4, 8, 64, F32), group_size=32, symmetric=True, qparams="minmax"),
             "bias": torch.linspace(-1, 1, 16, dtype=BF16),
         },
         "v1_int8": {
@@ -92,7 +92,7 @@ def state_dicts_v1() -> dict[str, dict[str, torch.Tensor]]:
         # A small model: one name is a prefix of others (torchao once dropped tensors so).
         "v1_model": {
             "model.embed.weight": Float8Tensor.from_float(weight(15, 32, 64, BF16), E4M3, PerRow()),
-            "model.layers.0.proj.weight": Int4Tensor.from_float(weight(16, 16, 64, BF16), group_size=32),
+            "model.layers.0.proj.weight": Int4Tensor.from_float(weight(16, 16, 64, BF16), group_size=32, qparams="minmax"),
             "model.layers.0.proj.weight_scale": torch.full((16,), 0.5, dtype=BF16),
             "model.layers.0.proj.weight_extra": Int8Tensor.from_float(weight(17, 16, 64, BF16)),
             "model.layers.0.proj.bias": torch.zeros(16, dtype=BF16),
@@ -105,12 +105,12 @@ def state_dicts_partial_groups() -> dict[str, dict[str, torch.Tensor]]:
     return {
         "v1_int4_partial_groups": {
             # One whole group of 64 and a last one of 32.
-            "asym_k96_g64_bf16": Int4Tensor.from_float(weight(18, 16, 96, BF16), group_size=64),
-            "sym_k80_g32_f16": Int4Tensor.from_float(weight(19, 8, 80, F16), group_size=32, symmetric=True),
+            "asym_k96_g64_bf16": Int4Tensor.from_float(weight(18, 16, 96, BF16), group_size=64, qparams="minmax"),
+            "sym_k80_g32_f16": Int4Tensor.from_float(weight(19, 8, 80, F16), group_size=32, symmetric=True, qparams="minmax"),
             # A single group, shorter than the group size.
-            "asym_k48_g128_f32": Int4Tensor.from_float(weight(20, 16, 48, F32), group_size=128),
+            "asym_k48_g128_f32": Int4Tensor.from_float(weight(20, 16, 48, F32), group_size=128, qparams="minmax"),
             # SmolLM2's hidden size: four groups of 128 and one of 64.
-            "asym_k576_g128_bf16": Int4Tensor.from_float(weight(21, 16, 576, BF16), group_size=128),
+            "asym_k576_g128_bf16": Int4Tensor.from_float(weight(21, 16, 576, BF16), group_size=128, qparams="minmax"),
         },
     }
 

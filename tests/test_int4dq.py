@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hf_aoq
 from hf_aoq import AOQError, Int4DQTensor, Int4DQWeightOnlyConfig, Int4Tensor, kernels
 from hf_aoq.configs import recipe_from_dict, recipe_to_dict
 from hf_aoq.kernels import cpu, cpu_ext
@@ -195,3 +196,20 @@ def test_config_round_trips_as_json():
     with pytest.raises(AOQError, match="group_size must be one of"):
         Int4DQWeightOnlyConfig(group_size=128)
     assert isinstance(Int4DQWeightOnlyConfig().quantize_weight(weight(16, 64)), Int4DQTensor)
+
+
+def test_a_weight_at_the_float32_limit_is_refused_when_quantized_not_when_loaded(tmp_path):
+    # Before: T_d overflowed to inf, the rows dequantized to NaN, and save_file wrote what
+    # load_file then refused ("field 'tparams': [inf, ...]").
+    w = torch.randn(16, 64)
+    w[0, 0], w[0, 1] = 3e38, -3e38
+    with pytest.raises(AOQError, match=r"^layers.0.w: .*tparams"):
+        Int4DQTensor.from_float(w, name="layers.0.w")
+    # fp16's maximum is within reach: quantized, finite, and loads back.
+    h = torch.randn(16, 64).half()
+    h[0, 0], h[0, 1], h[1] = 65504, -65504, 65504
+    q = Int4DQTensor.from_float(h)
+    assert torch.isfinite(q.dequantize()).all()
+    path = str(tmp_path / "w.safetensors")
+    hf_aoq.serialization.save_file({"w": q}, path)
+    assert torch.equal(hf_aoq.serialization.load_file(path)["w"].dequantize(), q.dequantize())

@@ -172,3 +172,65 @@ def test_quantizing_in_row_chunks_changes_nothing(make, monkeypatch):
         if x.dtype in FLOAT8_DTYPES:
             x, y = x.view(torch.uint8), y.view(torch.uint8)
         assert torch.equal(x, y), k
+
+
+# ---------------------------------------------------------------------- extreme finite weights
+_EXTREME_MAKERS = {
+    "int4 minmax": lambda w, name: hf_aoq.Int4Tensor.from_float(w, 32, qparams="minmax", name=name),
+    "int4 minmax sym": lambda w, name: hf_aoq.Int4Tensor.from_float(w, 32, True, qparams="minmax", name=name),
+    "int4 mse": lambda w, name: hf_aoq.Int4Tensor.from_float(w, 32, qparams="mse", name=name),
+    "int4 mse sym": lambda w, name: hf_aoq.Int4Tensor.from_float(w, 32, True, qparams="mse", name=name),
+    "int4dq": lambda w, name: hf_aoq.Int4DQTensor.from_float(w, 32, name=name),
+    "int8": lambda w, name: hf_aoq.Int8Tensor.from_float(w, name=name),
+    "int8 g32": lambda w, name: hf_aoq.Int8Tensor.from_float(w, 32, name=name),
+    "fp8": lambda w, name: hf_aoq.Float8Tensor.from_float(w, name=name),
+    "fp8 per tensor": lambda w, name: hf_aoq.Float8Tensor.from_float(w, granularity=PerTensor(), name=name),
+}
+
+
+def _extreme(dtype, case):
+    top = torch.finfo(dtype).max
+    w = torch.randn(16, 64).to(dtype)
+    if case == "one group +-max":
+        w[0, 0], w[0, 1] = top, -top
+    elif case == "a row at max":
+        w[1] = top
+    elif case == "all +-max":
+        w[:] = top
+        w[:, ::2] = -top
+    return w
+
+
+@pytest.mark.parametrize("make", sorted(_EXTREME_MAKERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["one group +-max", "a row at max", "all +-max"])
+def test_extreme_finite_weights_give_finite_tensors_or_a_clear_error(make, dtype, case, tmp_path):
+    # Before: +-3e38 in one group made int4 (asymmetric) and int4dq scales inf and rows NaN,
+    # fp16 +-65504 with int4 minmax dequantized to inf, and save_file wrote an int4dq tensor
+    # that load_file refused.
+    w = _extreme(dtype, case)
+    try:
+        q = _EXTREME_MAKERS[make](w, "layers.0.up.weight")
+    except AOQError as e:
+        assert str(e).startswith("layers.0.up.weight: ") and dtype != torch.float16, str(e)
+        return
+    for t in q.tensor_fields().values():
+        assert t.element_size() == 1 or bool(torch.isfinite(t).all())
+    assert bool(torch.isfinite(q.dequantize()).all())
+    path = str(tmp_path / "w.safetensors")
+    hf_aoq.serialization.save_file({"w": q}, path)
+    assert torch.equal(hf_aoq.serialization.load_file(path)["w"].dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weights_near_the_dtype_maximum_are_still_quantized(dtype):
+    # Only weights within reach of the float32 limit itself may be refused: a weight at 1e37,
+    # or at fp16's maximum, is quantized by every scheme, within its usual error.
+    top = 65504.0 if dtype == torch.float16 else 1e37
+    w = torch.randn(16, 64).to(dtype)
+    w[0, :4] = torch.tensor([top, -top, top / 2, 0.0], dtype=dtype)
+    w[1] = top
+    for make in _EXTREME_MAKERS.values():
+        deq = make(w, "w").dequantize().float()
+        assert bool(torch.isfinite(deq).all())
+        assert float((deq[:2] - w[:2].float()).abs().max()) < 0.2 * top

@@ -191,6 +191,20 @@ def test_tied_weights_stay_tied():
         quantize_(model, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int4WeightOnlyConfig(32)}))
 
 
+@pytest.mark.parametrize("recipe", [
+    FqnToConfig({"0": Int8WeightOnlyConfig(), "3": None}),
+    FqnToConfig({"3": Int8WeightOnlyConfig()}),  # the embedding has no key: left as it is
+    Int8WeightOnlyConfig(),  # reaches the Linear only
+])
+def test_a_tied_pair_resolved_two_ways_is_an_error_not_untied(recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 32, bias=False))
+    model[3].weight = model[0].weight
+    with pytest.raises(AOQError, match=r"3.weight is tied to 0.weight .*different configs"):
+        quantize_(model, recipe)
+    assert model[3].weight is model[0].weight and not isinstance(model[0].weight, AOQTensor)
+
+
 def test_module_to_dtype_and_back():
     model = quantize_(tiny(), Int4WeightOnlyConfig(32))
     with torch.no_grad():
@@ -281,3 +295,44 @@ def test_source_digest_sees_every_source_file(tmp_path):
     (tmp_path / "pkg" / "csrc" / "k.cpp").write_text("int f() { return 1; }\n")
     (tmp_path / "pkg" / "notes.txt").write_text("not a source")
     assert source_digest(tmp_path / "pkg") == base
+
+
+def test_plan_is_one_decision_per_tensor():
+    from hf_aoq.quantize import Decision, plan
+
+    model = tiny(torch.float32, tied=True)
+    recipe = FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int8WeightOnlyConfig(),
+                          "layers.0.up": Int4WeightOnlyConfig(32), "layers.1.up.weight": None})
+    decisions = plan(model, recipe)
+    assert decisions == {
+        # one tensor under two names, read by an Embedding too: quantized once, not placed
+        "embed.weight": Decision(Int8WeightOnlyConfig(), (128, 64), place=False, tied=("head.weight",)),
+        "layers.0.up.weight": Decision(Int4WeightOnlyConfig(32), (128, 64), place=True),
+    }
+    # The caller's skips win over exact names; default skips give way to them.
+    assert plan(model, recipe, skip=lambda m, n: m == "layers.0.up").keys() == {"embed.weight"}
+    assert plan(model, recipe, default_skip=lambda m, n: m.startswith("layers")).keys() == decisions.keys()
+    assert plan(model, Int8WeightOnlyConfig(), default_skip=lambda m, n: m.startswith("layers.1"),
+                filter_fn=lambda m, n: isinstance(m, nn.Linear) and n != "head").keys() == {
+        f"layers.0.{p}.weight" for p in ("q_proj", "up", "down")}
+
+
+def test_the_transformers_quantizer_plans_with_quantize_plan(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_aoq.integrations.transformers as integration
+    from hf_aoq import AOQConfig
+
+    calls = []
+    real = integration.plan
+    monkeypatch.setattr(integration, "plan", lambda *a, **k: calls.append(k) or real(*a, **k))
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=128)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    quantizer = integration.AOQHfQuantizer(AOQConfig(Int8WeightOnlyConfig(), modules_to_not_convert=["o_proj"]),
+                                           pre_quantized=False)
+    quantizer._process_model_before_weight_loading(model)
+    assert len(calls) == 1 and calls[0]["ties"] == {}
+    assert set(quantizer._configs) == {f"model.layers.0.{p}.weight" for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}

@@ -254,3 +254,63 @@ def test_mutated_save_ids(ids, index_id):
         assert_loads_or_refuses(lambda: S.load_checkpoint(folder))
     finally:
         shutil.rmtree(folder)
+
+
+# ---------------------------------------------------------------------- layouts no kernel runs
+def assert_loads_and_runs_or_refuses(load) -> None:
+    """Stricter than assert_loads_or_refuses: what loads must also run F.linear once placed."""
+    try:
+        state_dict = load()
+    except FormatError:
+        return
+    for name, t in state_dict.items():
+        if isinstance(t, AOQTensor):
+            x = torch.randn(2, t.shape[-1], dtype=t.dtype)
+            assert torch.nn.functional.linear(x, t.place()).shape == (2, t.shape[0]), name
+
+
+def _with_attributes(name, **attributes):
+    doc = copy.deepcopy(DOC)
+    doc["tensors"][name]["attributes"].update(attributes)
+    return {**METADATA, S.METADATA_KEY: json.dumps(doc)}
+
+
+# Metadata that describes the stored fields consistently, in a layout no kernel runs: before,
+# loading accepted these (or raised a bare ValueError) and the first F.linear raised.
+MALFORMED_LAYOUTS = [
+    ("model.layers.0.proj.weight", {"block_size": ["ints", [2, 32]]}),  # scale [16, 2] read as 8 x 2 blocks
+    ("model.layers.0.proj.weight", {"block_size": ["ints", [16, 64]]}),  # per tensor
+    ("model.layers.0.proj.weight", {"block_size": ["ints", [1, 16]]}),  # a group size no kernel has
+    ("model.layers.0.proj.weight", {"shape": ["ints", [2, 8, 64]], "block_size": ["ints", [1, 1, 32]]}),
+    ("model.layers.0.proj.weight", {"packing": ["enum", "cpu_int4_pairs"]}),
+    ("model.layers.0.proj.weight_extra", {"block_size": ["ints", [2, 64]]}),
+    ("model.layers.0.proj.weight_extra", {"shape": ["ints", [2, 8, 64]], "block_size": ["ints", [1, 1, 64]]}),
+    ("model.embed.weight", {"block_size": ["ints", [2, 64]]}),
+    ("model.embed.weight", {"block_size": ["ints", [1, 32]]}),
+]
+
+
+def test_malformed_layouts_are_refused_naming_the_tensor():
+    for name, attributes in MALFORMED_LAYOUTS:
+        tensors = dict(TENSORS)
+        if "shape" in attributes:  # store the fields in the 3-D shape the metadata claims
+            for key in [k for k in tensors if k.startswith(name + ":")]:
+                t = tensors[key]
+                tensors[key] = t.reshape(2, t.shape[0] // 2, *t.shape[1:])
+        metadata = _with_attributes(name, **attributes)
+        try:
+            S.unflatten_state_dict(tensors, metadata, source="fuzz")
+        except FormatError as e:
+            assert f"tensor {name!r}" in str(e), (attributes, str(e))
+        else:
+            raise AssertionError(f"{name} with {attributes} loaded")
+
+
+block_sizes = st.lists(st.integers(0, 70), min_size=1, max_size=3)
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(DOC["tensors"])), block=block_sizes)
+def test_mutated_block_size_loads_and_runs_or_is_refused(name, block):
+    metadata = _with_attributes(name, block_size=["ints", block])
+    assert_loads_and_runs_or_refuses(lambda: S.unflatten_state_dict(TENSORS, metadata, source="fuzz"))

@@ -312,3 +312,104 @@ def test_unaligned_activation(config):
     x = torch.randn(193, dtype=torch.bfloat16)[1:].view(3, 64)
     assert x.data_ptr() % 4
     assert torch.allclose(F.linear(x, q).float(), F.linear(x.clone(), q).float())
+
+
+# ---------------------------------------------------------------------- layouts a loader accepts
+def _save_and_load(t, tmp_path):
+    from hf_aoq import serialization
+
+    path = str(tmp_path / "t.safetensors")
+    serialization.save_file({"layer.weight": t}, path)
+    return serialization.load_file(path)["layer.weight"]
+
+
+def _layouts(n=32, k=256):
+    """(label, tensor, expected error) for layouts no kernel runs, each built from its fields."""
+    q4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    i8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    f8 = torch.randn(n, k).to(torch.float8_e4m3fn)
+    ones = lambda *s: torch.ones(*s)  # noqa: E731
+    return [
+        ("int4 block (2, 32)", Int4Tensor(q4, ones(n // 2, k // 32), (2, 32), (n, k), torch.float32,
+                                          zero=ones(n // 2, k // 32)), r"'block_size': \(2, 32\), expected \(1, g\)"),
+        ("int4 per tensor", Int4Tensor(q4, ones(1, 1), (n, k), (n, k), torch.float32, zero=ones(1, 1)),
+         r"'block_size': \(32, 256\), expected \(1, g\)"),
+        ("int4 groups of 16", Int4Tensor(q4, ones(n, k // 16), (1, 16), (n, k), torch.float32), "'block_size'"),
+        ("int4 3-D", Int4Tensor(q4.reshape(2, n // 2, k // 2), ones(2, n // 2, k // 32), (1, 1, 32), (2, n // 2, k),
+                                torch.float32), r"'shape': Int4Tensor is a non-empty 2-D \[N, K\] weight"),
+        ("int8 block (2, K)", Int8Tensor(i8, ones(n // 2, 1), (2, k), (n, k), torch.float32), "'block_size'"),
+        ("int8 3-D", Int8Tensor(i8.reshape(2, n // 2, k), ones(2, n // 2, 1), (1, 1, k), (2, n // 2, k), torch.float32),
+         "'shape'"),
+        ("int8 dynamic per group", Int8Tensor(i8, ones(n, k // 32), (1, 32), (n, k), torch.float32,
+                                              act_quant="per_token"), "dynamic activations need one scale per row"),
+        ("fp8 block (2, K)", Float8Tensor(f8, ones(n // 2, 1), (2, k), (n, k), torch.float32), "'block_size'"),
+        ("fp8 groups of 32", Float8Tensor(f8, ones(n, k // 32), (1, 32), (n, k), torch.float32), "'block_size'"),
+        ("fp8 3-D", Float8Tensor(f8.reshape(2, n // 2, k), ones(2, n // 2, 1), (1, 1, k), (2, n // 2, k),
+                                 torch.float32), "'shape'"),
+        ("int8 empty", Int8Tensor(i8[:0], ones(0, 1), (1, k), (0, k), torch.float32), "'shape'"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_layouts())), ids=[label for label, _, _ in _layouts()])
+def test_a_layout_no_kernel_runs_is_refused_at_load(case, tmp_path):
+    from hf_aoq import FormatError
+
+    _, t, message = _layouts()[case]
+    with pytest.raises(FormatError, match=rf"tensor 'layer.weight', attribute {message}" if message[0] == "'"
+                       else rf"tensor 'layer.weight', .*{message}"):
+        _save_and_load(t, tmp_path)
+
+
+@pytest.mark.parametrize("config", [c for c, _ in CONFIGS] + [Int4WeightOnlyConfig(64, qparams="minmax")],
+                         ids=IDS + ["minmax"])
+def test_every_layout_from_float_makes_loads_and_runs(config, tmp_path):
+    torch.manual_seed(0)
+    w = torch.randn(32, 192)  # K = 192: a partial last group of 64 for groups of 128 and 256
+    loaded = _save_and_load(config.quantize_weight(w, name="layer.weight"), tmp_path)
+    x = torch.randn(3, 192)
+    y = F.linear(x, loaded.place())
+    reference = kernels.kernels_for("linear", type(loaded).__name__)[-1]
+    assert torch.isfinite(y).all() and sqnr(reference.fn(x, loaded, None), y) > 40
+
+
+def test_an_empty_weight_is_a_clear_error():
+    for w in (torch.randn(0, 64), torch.randn(16, 0)):
+        for config in (Int4WeightOnlyConfig(32), Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig(),
+                       Float8WeightOnlyConfig(), Float8WeightOnlyConfig(granularity=PerTensor())):
+            with pytest.raises(AOQError, match=r"layer.weight: cannot quantize an empty weight of shape"):
+                config.quantize_weight(w, name="layer.weight")
+
+
+@pytest.mark.parametrize("config", [
+    Int8DynamicActivationInt8WeightConfig(),
+    Float8DynamicActivationFloat8WeightConfig(),
+    Float8DynamicActivationFloat8WeightConfig(torch.float8_e5m2, torch.float8_e5m2),
+], ids=["int8-dyn", "fp8-dyn", "fp8-dyn-e5m2"])
+@pytest.mark.parametrize("rows", [2, 5, 40])
+def test_a_nan_activation_row_leaves_the_other_rows_alone(config, rows):
+    # Activations quantized per row: a NaN (or inf) in one row must not reach the others'
+    # scales, in any kernel that applies (the CPU ones and the reference).
+    torch.manual_seed(0)
+    q = config.quantize_weight(torch.randn(64, 256)).place()
+    x = torch.randn(rows, 256)
+    bad = x.clone()
+    bad[1, 3] = float("nan")
+    bad[0, 7] = float("inf")
+    ran = 0
+    for kernel in kernels.kernels_for("linear", type(q).__name__):
+        if kernel.applies(bad, q):
+            clean, poisoned = kernel.fn(x, q, None), kernel.fn(bad, q, None)
+            assert torch.equal(poisoned[2:], clean[2:]), kernel.name
+            assert not torch.isfinite(poisoned[1]).all(), kernel.name
+            ran += 1
+    from hf_aoq.kernels import cpu_ext
+
+    assert ran >= (2 if cpu_ext.available() else 1)  # a CPU kernel (fp8's needs the extension) and the reference
+
+
+def test_int4_from_float_chooses_scales_as_the_config_does():
+    torch.manual_seed(0)
+    w = torch.randn(16, 256)
+    assert torch.equal(Int4Tensor.from_float(w, 64).dequantize(), Int4WeightOnlyConfig(64).quantize_weight(w).dequantize())
+    assert not torch.equal(Int4Tensor.from_float(w, 64).dequantize(),
+                           Int4Tensor.from_float(w, 64, qparams="minmax").dequantize())

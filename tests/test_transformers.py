@@ -582,6 +582,36 @@ def test_a_field_key_stored_in_two_shards_is_refused_naming_both(saved, tmp_path
 
 
 # ---------------------------------------------------------------------- dequantize
+def _with_intermediate_size_doubled(src_dir, dst_dir) -> str:
+    path = copy_checkpoint(src_dir, dst_dir, lambda t, m: (t, m))
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["intermediate_size"] *= 2
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+def test_a_quantized_tensor_of_another_shape_is_refused(saved, tmp_path):
+    # transformers skips its size check for parameters a quantizer builds: without hf_aoq's
+    # own, up_proj loaded with out_features 512 and a 256-row weight.
+    path = _with_intermediate_size_doubled(saved[2], tmp_path)
+    with pytest.raises(FormatError, match=r"model\.layers\.\d\.mlp\.\w+_proj\.weight is stored with shape "
+                                          r"\((256, 128|128, 256)\), but the model built from its config expects "
+                                          r"\((512, 128|128, 512)\)"):
+        load(path)
+
+
+def test_quantize_on_load_of_another_shape_is_a_size_mismatch(llama_dir, tmp_path, caplog):
+    path = _with_intermediate_size_doubled(llama_dir, tmp_path)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        load(path)  # the float checkpoint: transformers' size-mismatch error
+    caplog.clear()
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        load(path, quantization_config=AOQConfig(Int8WeightOnlyConfig()))
+    # The load report names each parameter with both shapes, as for the float checkpoint.
+    rows = [line for line in caplog.text.splitlines() if "mlp.up_proj.weight" in line]
+    assert rows and "MISMATCH" in rows[0] and "[256, 128]" in rows[0] and "[512, 128]" in rows[0]
+
+
 def test_dequantize_gives_a_float_model_with_the_same_outputs(llama_dir, ids, tmp_path):
     # float32 keeps the comparison about the weights, not about bfloat16 rounding in kernels.
     model = load(llama_dir, dtype=torch.float32, quantization_config=AOQConfig(RECIPE))

@@ -156,12 +156,22 @@ def choose_qparams_affine(
     return torch.cat(scales, dim=-1), None if symmetric else torch.cat(zeros, dim=-1)
 
 
+def range_limit(*dtypes: torch.dtype) -> float:
+    """The largest magnitude a block's range may reach when its scale and zero are stored in,
+    and it is dequantized to, these dtypes (float32 arithmetic in between): a little inside the
+    smallest of their maxima, so that rounding the scale and zero cannot overflow. Only values
+    within 0.4% of a dtype's maximum are affected; they are clipped that much (less than one
+    quantization step of any scheme here)."""
+    return min(torch.finfo(d).max for d in (torch.float32, *dtypes)) * (1 - 2**-8)
+
+
 def _minmax_qparams(x, block_size, qmin, qmax, symmetric, param_dtype):
     xb = _blocked(x.float(), block_size)
     dims = _block_dims(x.ndim)
     tiny = torch.finfo(param_dtype).tiny
-    lo = xb.amin(dim=dims)
-    hi = xb.amax(dim=dims)
+    limit = range_limit(x.dtype, param_dtype)
+    lo = xb.amin(dim=dims).clamp_(-limit, limit)
+    hi = xb.amax(dim=dims).clamp_(-limit, limit)
     if symmetric:
         # The tightest scale that clips nothing: int4 has 7 codes above the midpoint and 8
         # below, so the side that holds the block's extreme decides.
@@ -169,10 +179,13 @@ def _minmax_qparams(x, block_size, qmin, qmax, symmetric, param_dtype):
         scale = torch.maximum(hi.clamp(min=0) / (qmax - mid), (-lo).clamp(min=0) / (mid - qmin))
         return scale.clamp(min=tiny).to(param_dtype), None
     levels = qmax - qmin
-    span = hi - lo
-    # A constant block has no span; scale by its magnitude so zero stays representable.
-    scale = torch.where(span > 0, span / levels, torch.maximum(lo.abs(), hi.abs()) / levels)
-    scale = scale.clamp(min=tiny).to(param_dtype)
+    # A constant block has no span: its range is widened to reach 0, so that its value is a
+    # code's (the lowest if negative, the highest if positive) and zero stays inside the range
+    # (lo + 8 * scale past the block's value could overflow the storage dtype).
+    constant = hi == lo
+    lo = torch.where(constant, lo.clamp(max=0), lo)
+    hi = torch.where(constant, hi.clamp(min=0), hi)
+    scale = ((hi - lo) / levels).clamp(min=tiny).to(param_dtype)
     zero = (lo + (midpoint(qmin, qmax) - qmin) * scale.float()).to(param_dtype)
     return scale, zero
 
@@ -195,9 +208,10 @@ def _mse_qparams(x, block_size, qmin, qmax, symmetric, param_dtype):
     the first candidate. Blocks are rows of `block_size[-1]` elements."""
     b = block_size[-1]
     rows = x.reshape(-1, b)
+    limit = range_limit(x.dtype, param_dtype)
     scales, zeros = [], []
     for chunk in rows.split(_MSE_ROWS_PER_CHUNK):
-        s, z = _mse_search_rows(chunk.float(), qmin, qmax, symmetric, param_dtype)
+        s, z = _mse_search_rows(chunk.float(), qmin, qmax, symmetric, param_dtype, limit)
         scales.append(s)
         zeros.append(z)
     grid = x.shape[:-1] + (x.shape[-1] // b,)
@@ -205,7 +219,7 @@ def _mse_qparams(x, block_size, qmin, qmax, symmetric, param_dtype):
     return scale, None if symmetric else torch.cat(zeros).reshape(grid)
 
 
-def _mse_search_rows(w, qmin, qmax, symmetric, param_dtype):
+def _mse_search_rows(w, qmin, qmax, symmetric, param_dtype, limit):
     mid = midpoint(qmin, qmax)
     tiny = torch.finfo(param_dtype).tiny
     s0, z0 = _minmax_qparams(w, (1, w.shape[1]), qmin, qmax, symmetric, param_dtype)
@@ -224,7 +238,9 @@ def _mse_search_rows(w, qmin, qmax, symmetric, param_dtype):
         s = s.to(param_dtype).float()
         z = z.to(param_dtype).float() if z is not None else None
         err = _sq_error(w, s, z, qmin, qmax, mid)
-        better = err < best_err
+        # A candidate whose lowest or highest code would dequantize past `limit` is not one.
+        ends = torch.cat([(qmin - mid) * s, (qmax - mid) * s], 1) + (0 if z is None else z)
+        better = (err < best_err) & (ends.abs() <= limit).all(1, keepdim=True)
         best_err = torch.where(better, err, best_err)
         best_s = torch.where(better, s, best_s)
         if z is not None:

@@ -35,6 +35,7 @@ from ..core import memory
 from ..core.errors import AOQError, FormatError
 from ..core.registry import DTYPES, tensor_type
 from ..core.tensor import AOQTensor
+from ..quantize import Decision, plan, reads_only_by_linear, tie_groups
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +250,9 @@ class AOQHfQuantizer(HfQuantizer):
         self._configs: dict[str, AOQBaseConfig] = {}  # quantize-on-load: parameter -> config
         self._entries: dict[str, Any] = {}  # pre-quantized: parameter -> serialization.TensorEntry
         self._nbytes: dict[str, int] = {}  # parameter -> bytes it takes once quantized
+        self._plan: dict[str, Decision] = {}  # quantize-on-load: hf_aoq.quantize.plan of the empty model
         self._linear_only: set[str] = set()  # parameters read only by nn.Linear: placed for a kernel
+        self._mismatched: set[str] = set()  # planned, but the checkpoint's value has another shape
         self._untied: dict[str, str] = {}  # input embedding weight -> output weight made from it
         self._serialized: dict[str, list[str]] = {}  # parameter leaf name -> stored key suffixes
         self._source = "<checkpoint>"  # names the checkpoint in errors
@@ -278,21 +281,31 @@ class AOQHfQuantizer(HfQuantizer):
         self._files = [os.fspath(f) for f in checkpoint_files or [] if os.fspath(f).endswith(".safetensors")]
         if self.pre_quantized:
             self._read_checkpoint(model, checkpoint_files)
+            self._check_stored_shapes(model)
+            groups = tie_groups(model, getattr(model, "all_tied_weights_keys", None) or {})
+            self._linear_only = {n for n in self._entries if reads_only_by_linear(model, groups.get(n, (n,)))}
         else:
             self._plan_quantization(model)
-        planned = set(self._configs) | set(self._entries)
-        self._linear_only = {name for name in planned if self._read_only_by_linear(model, name)}
+            self._linear_only = {n for n, d in self._plan.items() if d.place}
 
-    def _read_only_by_linear(self, model, name: str) -> bool:
-        """Placement (repacking for a kernel) is for weights that only F.linear reads."""
-        tied = getattr(model, "all_tied_weights_keys", {}) or {}
-        names = {name} | {t for t, s in tied.items() if s == name} | ({tied[name]} if name in tied else set())
-        return all(isinstance(model.get_submodule(_parent(n)[0]), nn.Linear) for n in names)
+    def _check_stored_shapes(self, model) -> None:
+        """A quantized tensor whose shape is not the model's (config.json edited, or another
+        model's checkpoint) is refused before anything is read, as transformers refuses a float
+        one; its size-mismatch check skips parameters that a quantizer builds."""
+        for name, entry in self._entries.items():
+            stored = entry.attributes.get("shape")
+            expected = tuple(model.get_parameter(name).shape)
+            if stored is not None and tuple(stored) != expected:
+                raise FormatError(
+                    f"{self._source}: {name} is stored with shape {tuple(stored)}, but the model built from its "
+                    f"config expects {expected}; the checkpoint and its config.json do not match"
+                )
 
     # ------------------------------------------------------------------ quantize-on-load plan
     def _plan_quantization(self, model) -> None:
+        """hf_aoq.quantize.plan on the empty model, with transformers' skips and ties; then each
+        planned weight's quantized size, measured on a probe (which also checks that it fits)."""
         config = self.quantization_config
-        recipe = config.quant_type
         embeddings = _module_names(model, model.get_input_embeddings()) | _module_names(
             model, model.get_output_embeddings()
         )
@@ -304,57 +317,34 @@ class AOQHfQuantizer(HfQuantizer):
         default_skips = sorted(default_skips)
         if config.untie_embedding_weights:
             self._untie_embeddings(model)
-        exact = recipe.exact_keys() if isinstance(recipe, FqnToConfig) else set()
-
-        named_seen: set[str] = set()
+        self._plan = plan(
+            model,
+            config.quant_type,
+            skip=lambda module_name, name: _skipped(module_name, name, user_skips),
+            default_skip=lambda module_name, name: _skipped(module_name, name, default_skips),
+            embeddings=embeddings if config.include_embeddings else (),
+            ties=getattr(model, "all_tied_weights_keys", None) or {},
+        )
         sizes: dict[tuple, int] = {}
-        for module_name, module in model.named_modules():
-            for leaf, param in module.named_parameters(recurse=False):
-                name = f"{module_name}.{leaf}" if module_name else leaf
-                named = name in exact or (leaf == "weight" and module_name in exact)
-                if named:
-                    named_seen.update({name, module_name} & exact)
-                if _skipped(module_name, name, user_skips):
-                    continue  # the user's skips win over everything
-                if not named and _skipped(module_name, name, default_skips):
-                    continue  # transformers' default skips give way to an exact name only
-                cfg = self._resolve(recipe, name, module_name, module, leaf, module_name in embeddings)
-                if cfg is None:
-                    continue
-                if param.ndim != 2 or not param.is_floating_point():
-                    kind = " (fused MoE experts are 3-D)" if param.ndim == 3 else ""
-                    raise AOQError(
-                        f"{name}: cannot quantize a {param.ndim}-D {param.dtype} parameter of shape "
-                        f"{tuple(param.shape)}; hf_aoq's tensor types hold 2-D float weights{kind}"
-                    )
-                self._configs[name] = cfg
-                key = (cfg, tuple(param.shape), param.dtype)
-                if key not in sizes:
-                    sizes[key] = _quantized_nbytes(cfg, tuple(param.shape), param.dtype, name)
-                self._nbytes[name] = sizes[key]
-
-        unused = exact - named_seen
-        if unused:
-            warnings.warn(f"FqnToConfig names that match no parameter or module: {sorted(unused)}", stacklevel=2)
-        self._check_tied(model)
+        for name, decision in self._plan.items():
+            param = model.get_parameter(name)
+            if param.ndim != 2 or not param.is_floating_point():
+                kind = " (fused MoE experts are 3-D)" if param.ndim == 3 else ""
+                raise AOQError(
+                    f"{name}: cannot quantize a {param.ndim}-D {param.dtype} parameter of shape "
+                    f"{tuple(param.shape)}; hf_aoq's tensor types hold 2-D float weights{kind}"
+                )
+            cfg = decision.config
+            # Only a tie's source is read from the checkpoint; tie_weights shares it afterwards.
+            self._configs[name] = cfg
+            key = (cfg, tuple(param.shape), param.dtype)
+            if key not in sizes:
+                sizes[key] = _quantized_nbytes(cfg, tuple(param.shape), param.dtype, name)
+            self._nbytes[name] = sizes[key]
         try:
             _check_not_renamed(model, list(self._configs))
         except AOQError as e:  # fine in memory; say so now rather than at save_pretrained
             warnings.warn(f"{e}. The quantized model works, but save_pretrained will refuse it.", stacklevel=2)
-
-    def _resolve(self, recipe, name, module_name, module, leaf, is_embedding) -> AOQBaseConfig | None:
-        """The config for one parameter that no skip list excludes (see docs/transformers.md)."""
-        include_embeddings = self.quantization_config.include_embeddings
-        if isinstance(recipe, FqnToConfig):
-            hit, cfg = recipe.resolve(name, module_name, module, leaf)
-            if not hit and include_embeddings and is_embedding and leaf == "weight":
-                cfg = recipe.mapping.get("_default")
-            return cfg
-        if leaf != "weight":
-            return None
-        if isinstance(module, nn.Linear) or (include_embeddings and is_embedding):
-            return recipe
-        return None
 
     def _untie_embeddings(self, model) -> None:
         """Give the output embedding its own weight, made from the input embedding's on load."""
@@ -370,19 +360,6 @@ class AOQHfQuantizer(HfQuantizer):
         if self._untied:
             model.config.get_text_config(decoder=True).tie_word_embeddings = False
             model.config.tie_word_embeddings = False
-
-    def _check_tied(self, model) -> None:
-        """Tied parameters share one tensor: quantized once, with the source's config."""
-        for target, source in (getattr(model, "all_tied_weights_keys", {}) or {}).items():
-            t_cfg, s_cfg = self._configs.get(target), self._configs.get(source)
-            if t_cfg != s_cfg:
-                raise AOQError(
-                    f"{target} is tied to {source}, but they resolve to different configs ({t_cfg} and {s_cfg}); "
-                    f"pass untie_embedding_weights=True to give them separate weights, or give both the same config"
-                )
-            # Only the source is read from the checkpoint; tie_weights shares it afterwards.
-            self._configs.pop(target, None)
-            self._nbytes.pop(target, None)
 
     # ------------------------------------------------------------------ pre-quantized checkpoint
     def _read_checkpoint(self, model, checkpoint_files) -> None:
@@ -457,6 +434,8 @@ class AOQHfQuantizer(HfQuantizer):
             return param_name in self._entries
         if self._calibrating():
             return False  # loaded as float; quantized with calibration after loading
+        if param_name in self._mismatched:
+            return False  # handed back float: transformers' own size check reports it
         return param_name in self._configs or param_name in self._untied
 
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
@@ -471,9 +450,13 @@ class AOQHfQuantizer(HfQuantizer):
 
     def _quantized(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """`weight` quantized by its planned config (placed if only F.linear reads it), or
-        `weight` itself when the plan leaves it float."""
+        `weight` itself when the plan leaves it float, or when its shape is not the planned
+        one: transformers then reports a size mismatch, as for a float checkpoint."""
         config = self._configs.get(name)
         if config is None:
+            return weight
+        if tuple(weight.shape) != self._plan[name].shape:
+            self._mismatched.add(name)
             return weight
         q = config.quantize_weight(weight, name=name)
         if name in self._linear_only:
@@ -551,7 +534,7 @@ class AOQHfQuantizer(HfQuantizer):
         window = min(512, n_tokens)
         n_tokens -= n_tokens % window
         batches = perplexity.windows(ids, tokenizer.bos_token_id, n_tokens=n_tokens, window=window)
-        recipe = FqnToConfig(dict(self._configs))
+        recipe = FqnToConfig({n: d.config for name, d in self._plan.items() for n in (name, *d.tied)})
         # One step per numbered block with int4 linears (what calibration.py reports through `log`),
         # in transformers' progress style (its tqdm honours disable_progress_bar()).
         blocks = {m.group(0) for name, cfg in self._configs.items()

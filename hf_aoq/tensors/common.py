@@ -94,13 +94,51 @@ def _slice(func, types, args, kwargs):
 
 
 def check_weight(weight: torch.Tensor, name: str) -> None:
-    """A weight that `from_float` can take: a plain 2-D float tensor."""
+    """A weight that `from_float` can take: a plain, non-empty 2-D float tensor."""
     if isinstance(weight, AOQTensor):
         raise AOQError(f"{name} is already quantized ({type(weight).__name__})")
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
         raise AOQError(f"{name}: expected a 2-D weight, got shape {tuple(getattr(weight, 'shape', ()))}")
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
+    if weight.numel() == 0:
+        raise AOQError(f"{name}: cannot quantize an empty weight of shape {tuple(weight.shape)}")
+
+
+def check_built(tensor: "AOQTensor", weight: torch.Tensor, name: str) -> "AOQTensor":
+    """`tensor`, just made from `weight` by `from_float`, if a loader would accept it and it
+    dequantizes to finite values; otherwise an AOQError naming the weight, so that nothing is
+    saved that cannot be loaded. The dequantization is checked only for a weight within a
+    factor 4 of its dtype's maximum: below that, the guarded ranges of core.primitives keep it
+    finite, and the check would cost a float32 copy of the weight."""
+    try:
+        type(tensor).check_fields(tensor.fields())
+    except AOQError as e:
+        raise AOQError(f"{name}: the {type(tensor).__name__} made from it would not load back ({e})") from None
+    amax = float(weight.detach().abs().amax())
+    near_limit = amax > torch.finfo(weight.dtype).max / 4
+    # Scales, zeros and per-tensor floats (float8 codes are clamped to finite values).
+    bad = [f for f, t in tensor.tensor_fields().items()
+           if t.is_floating_point() and t.element_size() > 1 and not bool(torch.isfinite(t).all())]
+    if near_limit and not bad and not bool(torch.isfinite(tensor.dequantize()).all()):
+        bad = ["its dequantized values"]
+    if bad:
+        raise AOQError(
+            f"{name}: values up to {amax:.4g} are too close to the limit of {weight.dtype} for a "
+            f"{type(tensor).__name__}: {', '.join(bad)} would not be finite; scale the weight down or use another scheme"
+        )
+    return tensor
+
+
+def check_layout(fields, type_name: str, blocks: str, block_ok) -> None:
+    """The layout rules every block-grid type shares: a 2-D [N, K] shape with no empty
+    dimension, and a block size that `block_ok(block, shape)` accepts (`blocks` says which, for
+    the message). A loader refuses anything else, as no kernel could run it."""
+    shape, block = tuple(fields["shape"]), fields["block_size"]
+    if len(shape) != 2 or 0 in shape:
+        raise AOQError(f"attribute 'shape': {type_name} is a non-empty 2-D [N, K] weight, got {shape}")
+    if type(block) is not tuple or not all(type(b) is int for b in block) or not block_ok(block, shape):
+        raise AOQError(f"attribute 'block_size': {block!r}, expected {blocks} for shape {shape}")
 
 
 class DevicePacked:

@@ -15,7 +15,7 @@ from ..core.errors import AOQError
 from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import FLOAT8_DTYPES, by_row_chunks, choose_scale_float8, dequantize_float8, quantize_float8
 from ..core.registry import register_tensor_type
-from .common import BlockGridTensor, check_grid_fields, check_weight
+from .common import BlockGridTensor, check_built, check_grid_fields, check_layout, check_weight
 
 ACT_QUANTS = (None, "per_tensor", "per_row")
 
@@ -55,12 +55,16 @@ class Float8Tensor(BlockGridTensor):
 
         # A per-tensor scale needs every row at once.
         qdata, scale = by_row_chunks(weight, rows) if block[0] == 1 else rows(weight)
-        return cls(qdata, scale, block, weight.shape, weight.dtype, act_quant=act_quant, act_dtype=act_dtype)
+        out = cls(qdata, scale, block, weight.shape, weight.dtype, act_quant=act_quant, act_dtype=act_dtype)
+        return check_built(out, weight, name)
 
     @classmethod
     def check_fields(cls, fields) -> None:
         super().check_fields(fields)
         check_grid_fields(fields, FLOAT8_DTYPES)
+        # Per row or per tensor; or the transpose of per row (a weight.t() that was saved).
+        check_layout(fields, cls.__name__, "(1, K) (per row), (N, K) (per tensor) or (N, 1)",
+                     lambda b, shape: b in ((1, shape[1]), tuple(shape), (shape[0], 1)))
         if fields.get("act_dtype") is not None and fields["act_dtype"] not in FLOAT8_DTYPES:
             raise AOQError(f"attribute 'act_dtype': {fields['act_dtype']} is not one of {FLOAT8_DTYPES}")
 

@@ -29,10 +29,13 @@ from ..core.primitives import (
     unpack_int4,
 )
 from ..core.registry import register_tensor_type
-from .common import BlockGridTensor, DevicePacked, check_grid_fields, check_weight
+from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
 
 GROUP_SIZES = (32, 64, 128, 256)
 QMIN, QMAX = 0, 15
+# How scales are chosen unless told otherwise, here and in Int4WeightOnlyConfig: "mse" is the
+# more accurate (README "4-bit quality"); "minmax" is the plain range.
+DEFAULT_QPARAMS = "mse"
 
 
 @register_tensor_type
@@ -51,12 +54,13 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
         group_size: int = 128,
         symmetric: bool = False,
         *,
-        qparams: str = "minmax",
+        qparams: str = DEFAULT_QPARAMS,
         name: str = "weight",
     ):
         """Quantize a float [N, K] weight in groups of `group_size` along K. `qparams` picks how
-        each group's scale and zero are chosen: "minmax" (the group's range, nothing clips) or
-        "mse" (the least squared reconstruction error; see core.primitives)."""
+        each group's scale and zero are chosen: "mse" (default, as Int4WeightOnlyConfig's: the
+        least squared reconstruction error; see core.primitives) or "minmax" (the group's range,
+        nothing clips)."""
         check_weight(weight, name)
         if group_size not in GROUP_SIZES:
             raise AOQError(f"{name}: int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
@@ -71,12 +75,16 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
             return pack_int4(quantize_affine(w, block, scale, zero, QMIN, QMAX, torch.uint8)), scale, zero
 
         qdata, scale, zero = by_row_chunks(weight, rows)
-        return cls(qdata, scale, block, weight.shape, weight.dtype, zero=zero)
+        return check_built(cls(qdata, scale, block, weight.shape, weight.dtype, zero=zero), weight, name)
 
     @classmethod
     def check_fields(cls, fields) -> None:
         super().check_fields(fields)
         check_grid_fields(fields, (torch.uint8,), codes_per_byte=2, partial_last_block=True)
+        check_layout(fields, cls.__name__, f"(1, g) with g in {GROUP_SIZES}",
+                     lambda b, shape: len(b) == 2 and b[0] == 1 and b[1] in GROUP_SIZES)
+        if fields.get("packing") is not None:
+            raise AOQError(f"attribute 'packing': {fields['packing']!r}; checkpoints hold the canonical layout only")
 
     @property
     def group_size(self) -> int:

@@ -34,7 +34,7 @@ from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
 from ..kernels import cpu_ext
-from .common import BlockGridTensor, DevicePacked, check_weight
+from .common import BlockGridTensor, DevicePacked, check_built, check_weight
 
 GROUP_SIZES = (32, 64)
 # float32(2^(-j/32)): the mantissas of the 8-bit log codes. Computed in float64 and rounded once,
@@ -71,14 +71,14 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         qdata, gparams, rparams = by_row_chunks(
             weight, lambda w, d, c: _quantize_rows(w, group_size, tparams, d, c), d0, c0
         )
-        return cls(qdata, gparams, rparams, tparams, (1, group_size), weight.shape, weight.dtype)
+        return check_built(cls(qdata, gparams, rparams, tparams, (1, group_size), weight.shape, weight.dtype), weight, name)
 
     @classmethod
     def check_fields(cls, fields) -> None:
         super().check_fields(fields)
         shape, block = tuple(fields["shape"]), fields["block_size"]
-        if len(shape) != 2:
-            raise AOQError(f"attribute 'shape': Int4DQTensor is 2-D, got {shape}")
+        if len(shape) != 2 or 0 in shape:
+            raise AOQError(f"attribute 'shape': Int4DQTensor is a non-empty 2-D [N, K] weight, got {shape}")
         n, k = shape
         if not fields["dtype"].is_floating_point or fields["dtype"].itemsize < 2:
             raise AOQError(f"attribute 'dtype': {fields['dtype']} is not a float dtype of 16 bits or more")

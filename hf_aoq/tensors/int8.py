@@ -14,7 +14,7 @@ from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, choose_qparams_affine, dequantize_affine, quantize_affine
 from ..core.registry import register_tensor_type
 from ..kernels.common import quantize_int8_per_token
-from .common import BlockGridTensor, check_grid_fields, check_weight
+from .common import BlockGridTensor, check_built, check_grid_fields, check_layout, check_weight
 
 QMIN, QMAX = -127, 127
 ACT_QUANTS = (None, "per_token")
@@ -52,12 +52,19 @@ class Int8Tensor(BlockGridTensor):
             return quantize_affine(w, block, scale, None, QMIN, QMAX, torch.int8), scale
 
         codes, scale = by_row_chunks(weight, rows)
-        return cls(codes, scale, block, weight.shape, weight.dtype, act_quant=act_quant)
+        return check_built(cls(codes, scale, block, weight.shape, weight.dtype, act_quant=act_quant), weight, name)
 
     @classmethod
     def check_fields(cls, fields) -> None:
         super().check_fields(fields)
         check_grid_fields(fields, (torch.int8,))
+        # Rows, or groups within rows; or their transpose (a weight.t() that was saved).
+        if fields.get("act_quant") == "per_token":
+            blocks = "(1, K) or (N, 1): dynamic activations need one scale per row"
+            ok = lambda b, shape: b in ((1, shape[1]), (shape[0], 1))  # noqa: E731
+        else:
+            blocks, ok = "(1, g) or (g, 1)", lambda b, shape: len(b) == 2 and 1 in b  # noqa: E731
+        check_layout(fields, cls.__name__, blocks, ok)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize_affine(self.qdata, self.block_size, self.scale, None, QMIN, QMAX, dtype or self.dtype)
