@@ -320,7 +320,7 @@ def test_plan_is_one_decision_per_tensor():
 def test_the_transformers_quantizer_plans_with_quantize_plan(monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import hf_aoq.integrations.transformers as integration
+    import hf_aoq.integrations.transformers.quantizer as integration
     from hf_aoq import AOQConfig
 
     calls = []

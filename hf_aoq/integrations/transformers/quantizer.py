@@ -1,18 +1,5 @@
-"""hf_aoq as a transformers quantizer: `AOQConfig` and the "aoq" `HfQuantizer`.
-
-`import hf_aoq` registers both with transformers under the quant method "aoq"; then
-
-    from_pretrained(path, quantization_config=AOQConfig(...))   quantizes each weight as it is read
-    save_pretrained(out)                                        writes safetensors + hf_aoq metadata
-    from_pretrained(out)                                        rebuilds the quantized tensors
-    model.dequantize()                                          returns to a float model
-
-Which parameter gets which config is decided once, on the empty (meta) model, before any weight
-is read (`_plan_quantization`, `_read_checkpoint`); the loader then hands over one tensor at a
-time to `AOQQuantize` or `AOQLoad`. Everything else is delegated: configs and their JSON to
-hf_aoq.configs, tensor layouts to the tensor types, the file format to hf_aoq.serialization.
-docs/transformers.md describes the behaviour for users.
-"""
+"""`AOQHfQuantizer`, the "aoq" HfQuantizer: plans quantize-on-load with hf_aoq.quantize.plan, reads
+a pre-quantized checkpoint's metadata through hf_aoq.serialization, and hands tensors to the ops."""
 from __future__ import annotations
 
 import logging
@@ -23,209 +10,30 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps, WeightConverter, revert_weight_conversion
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
-from transformers.quantizers import auto as _auto
+from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+from transformers.quantizers import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
-from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .. import model_card, serialization
-from ..configs import AOQBaseConfig, FqnToConfig, Int4WeightOnlyConfig, recipe_from_dict, recipe_to_dict
-from ..core import memory
-from ..core.errors import AOQError, FormatError
-from ..core.registry import DTYPES, tensor_type
-from ..core.tensor import AOQTensor
-from ..quantize import Decision, plan, reads_only_by_linear, tie_groups
+from ... import model_card, serialization
+from ...configs import AOQBaseConfig, FqnToConfig, Int4WeightOnlyConfig
+from ...core import memory
+from ...core.errors import AOQError, FormatError
+from ...core.registry import DTYPES, tensor_type
+from ...core.tensor import AOQTensor
+from ...quantize import Decision, plan, reads_only_by_linear, tie_groups
+from .config import AOQConfig
+from .ops import AOQLoad, AOQQuantize, _parent, _storage_key
+from .sizes import _quantized_nbytes
 
 logger = logging.getLogger(__name__)
 
-QUANT_METHOD = "aoq"
-# Version of the "quantization_config" JSON written to config.json (not of the tensor format).
-CONFIG_VERSION = 1
+# The numbered block a linear is in, as hf_aoq.calibration counts them ("model.layers.3.").
+_BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
 
-_CONFIG_KEYS = (
-    "quant_method",
-    "version",
-    "quant_type",
-    "modules_to_not_convert",
-    "include_input_output_embeddings",
-    "include_embeddings",  # the name before 0.1.1; still read from config.json files
-    "untie_embedding_weights",
-    "dequantize",
-    "calibration",
-    "calibration_tokens",
-)
+# Drop the checkpoint's mapped pages after about this many bytes were read from it: bounds what
+# the mapping adds to the peak resident size, at a few milliseconds per release.
+_RELEASE_EVERY = 16 << 20
 
-
-class AOQConfig(QuantizationConfigMixin):
-    """How transformers should quantize a model while loading it, or load an "aoq" checkpoint.
-
-    quant_type               a quantization config (for every nn.Linear weight) or an FqnToConfig
-    modules_to_not_convert   module names or regexes never quantized, matched as transformers does
-                             (from the start of a name up to a dot, or as a suffix)
-    include_input_output_embeddings
-                             also quantize the input embedding and the output embedding (lm_head),
-                             TorchAoConfig's name (`include_embeddings` is the older name, accepted)
-    untie_embedding_weights  when the model ties them, give the output embedding its own weight
-    dequantize               load an "aoq" checkpoint as a float model (quant_type may be None)
-    calibration              a UTF-8 text file: load the float weights, then choose every int4
-                             linear weight by GPTQ on its first `calibration_tokens` tokens
-                             (hf_aoq.calibration); slower, and the float model is in memory once
-    calibration_tokens       how many tokens of `calibration` to use (default 2048)
-    """
-
-    def __init__(
-        self,
-        quant_type: AOQBaseConfig | FqnToConfig | None = None,
-        modules_to_not_convert: list[str] | None = None,
-        include_input_output_embeddings: bool | None = None,
-        untie_embedding_weights: bool = False,
-        dequantize: bool = False,
-        calibration: str | None = None,
-        calibration_tokens: int = 2048,
-        include_embeddings: bool | None = None,
-    ):
-        include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
-        for name, value in (
-            ("include_input_output_embeddings" if include_embeddings is None else "include_embeddings",
-             include_input_output_embeddings),
-            ("untie_embedding_weights", untie_embedding_weights),
-            ("dequantize", dequantize),
-        ):
-            if not isinstance(value, bool):
-                raise AOQError(f"AOQConfig.{name} must be True or False, got {value!r}")
-        if quant_type is None and not dequantize:
-            raise AOQError("AOQConfig needs a quant_type: a quantization config or an FqnToConfig")
-        if quant_type is not None and not isinstance(quant_type, (AOQBaseConfig, FqnToConfig)):
-            kind = type(quant_type).__name__
-            raise AOQError(f"AOQConfig.quant_type must be a quantization config or an FqnToConfig, got {kind}")
-        if modules_to_not_convert is not None:
-            skips = modules_to_not_convert
-            if isinstance(skips, str) or not all(isinstance(m, str) for m in skips):
-                raise AOQError(f"AOQConfig.modules_to_not_convert must be a list of strings, got {skips!r}")
-            for pattern in skips:
-                try:
-                    re.compile(pattern)
-                except re.error as e:
-                    raise AOQError(f"AOQConfig.modules_to_not_convert: {pattern!r} is not a valid regex: {e}") from None
-            modules_to_not_convert = list(skips)
-        if calibration is not None and not isinstance(calibration, (str, os.PathLike)):
-            raise AOQError(f"AOQConfig.calibration must be the path of a text file, got {calibration!r}")
-        if isinstance(calibration_tokens, bool) or not isinstance(calibration_tokens, int) or calibration_tokens < 2:
-            raise AOQError(f"AOQConfig.calibration_tokens must be an int >= 2, got {calibration_tokens!r}")
-        if calibration is not None and untie_embedding_weights:
-            raise AOQError("AOQConfig: calibration with untie_embedding_weights is not supported; untie before saving "
-                           "the float checkpoint, or quantize without calibration")
-        self.calibration = None if calibration is None else os.fspath(calibration)
-        self.calibration_tokens = calibration_tokens
-        self.quant_method = QUANT_METHOD
-        self.quant_type = quant_type
-        self.modules_to_not_convert = modules_to_not_convert
-        self.include_input_output_embeddings = include_input_output_embeddings
-        self.untie_embedding_weights = untie_embedding_weights
-        self.dequantize = dequantize
-
-    def to_dict(self) -> dict[str, Any]:
-        """The whole recipe as strict JSON-ready data (what config.json stores)."""
-        skips = self.modules_to_not_convert
-        return {
-            "quant_method": QUANT_METHOD,
-            "version": CONFIG_VERSION,
-            "quant_type": None if self.quant_type is None else recipe_to_dict(self.quant_type),
-            "modules_to_not_convert": None if skips is None else list(skips),
-            "include_input_output_embeddings": self.include_input_output_embeddings,
-            "untie_embedding_weights": self.untie_embedding_weights,
-            "dequantize": self.dequantize,
-            # Written only when used, so that older readers still read every other config.
-            **({"calibration": self.calibration, "calibration_tokens": self.calibration_tokens}
-               if self.calibration is not None else {}),
-        }
-
-    @classmethod
-    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs):
-        """Inverse of `to_dict`. Strict: an unknown key, type or value is a FormatError.
-
-        `kwargs` naming an AOQConfig argument override the dict (transformers' convention); the
-        rest are returned when `return_unused_kwargs` is set.
-        """
-        where = "quantization_config"
-        if not isinstance(config_dict, dict):
-            raise FormatError(f"{where} must be a JSON object, got {type(config_dict).__name__}")
-        unknown = sorted(set(config_dict) - set(_CONFIG_KEYS))
-        if unknown:
-            raise FormatError(f"{where}: unknown key(s) {unknown}; an aoq config has {list(_CONFIG_KEYS)}")
-        method = config_dict.get("quant_method")
-        if method != QUANT_METHOD:
-            raise FormatError(f"{where}: quant_method must be {QUANT_METHOD!r}, got {method!r}")
-        version = config_dict.get("version", CONFIG_VERSION)
-        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= CONFIG_VERSION:
-            raise FormatError(
-                f"{where}: version {version!r} is not one this hf_aoq reads (1..{CONFIG_VERSION}); "
-                f"a newer hf_aoq may have written it"
-            )
-        if "quant_type" not in config_dict:
-            raise FormatError(f"{where}: missing quant_type")
-        args: dict[str, Any] = {}
-        recipe = config_dict["quant_type"]
-        args["quant_type"] = None if recipe is None else recipe_from_dict(recipe, where=f"{where}.quant_type")
-        skips = config_dict.get("modules_to_not_convert")
-        if skips is not None and not (isinstance(skips, list) and all(isinstance(s, str) for s in skips)):
-            raise FormatError(f"{where}.modules_to_not_convert: expected a list of strings or null, got {skips!r}")
-        args["modules_to_not_convert"] = skips
-        for key in ("include_input_output_embeddings", "include_embeddings", "untie_embedding_weights", "dequantize"):
-            if key not in config_dict and key.startswith("include"):
-                continue  # either name may be missing (include_embeddings: files before 0.1.1)
-            value = config_dict.get(key, False)
-            if not isinstance(value, bool):
-                raise FormatError(f"{where}.{key}: expected true or false, got {value!r}")
-            args[key] = value
-        calibration = config_dict.get("calibration")
-        if calibration is not None and not isinstance(calibration, str):
-            raise FormatError(f"{where}.calibration: expected a file path or null, got {calibration!r}")
-        args["calibration"] = calibration
-        tokens = config_dict.get("calibration_tokens", 2048)
-        if isinstance(tokens, bool) or not isinstance(tokens, int):
-            raise FormatError(f"{where}.calibration_tokens: expected an integer, got {tokens!r}")
-        args["calibration_tokens"] = tokens
-        unused = {}
-        for key, value in kwargs.items():
-            if key in args:
-                args[key] = value
-            else:
-                unused[key] = value
-        try:
-            config = cls(**args)
-        except FormatError:
-            raise
-        except AOQError as e:
-            raise FormatError(f"{where}: {e}") from None
-        return (config, unused) if return_unused_kwargs else config
-
-    @property
-    def include_embeddings(self) -> bool:
-        """The older name of `include_input_output_embeddings`."""
-        return self.include_input_output_embeddings
-
-    @include_embeddings.setter
-    def include_embeddings(self, value: bool) -> None:
-        self.include_input_output_embeddings = value
-
-    def get_loading_attributes(self) -> dict[str, Any]:
-        """What a config passed to from_pretrained may change on a checkpoint's config."""
-        return {"dequantize": self.dequantize}
-
-    def __eq__(self, other):
-        return isinstance(other, AOQConfig) and self.to_dict() == other.to_dict()
-
-    __hash__ = None
-
-
-def _one_of_two_names(new: bool | None, old: bool | None) -> bool:
-    """include_input_output_embeddings, given under its name or the older include_embeddings."""
-    if new is not None and old is not None and new != old:
-        raise AOQError("AOQConfig: include_embeddings is the older name of include_input_output_embeddings; give one")
-    value = new if new is not None else old
-    return False if value is None else value
 
 
 def _module_names(model: nn.Module, target: nn.Module | None) -> set[str]:
@@ -233,10 +41,6 @@ def _module_names(model: nn.Module, target: nn.Module | None) -> set[str]:
         return set()
     return {name for name, module in model.named_modules(remove_duplicate=False) if module is target}
 
-
-def _parent(param_name: str) -> tuple[str, str]:
-    module_name, _, leaf = param_name.rpartition(".")
-    return module_name, leaf
 
 
 class AOQHfQuantizer(HfQuantizer):
@@ -597,55 +401,6 @@ class AOQHfQuantizer(HfQuantizer):
         return True
 
 
-class _QuantizerOp(ConversionOps):
-    """An op that works through the quantizer's shared state (its plan, or the checkpoint's
-    metadata). transformers deep-copies a converter, ops included, for every key it loads; a copy
-    of the op must share the quantizer, not copy it: a copy per key of the metadata of every
-    tensor made loading quadratic (12 of 17 s for a 22-layer int4 checkpoint)."""
-
-    def __init__(self, hf_quantizer: AOQHfQuantizer):
-        self.hf_quantizer = hf_quantizer
-
-    def __deepcopy__(self, memo):
-        return type(self)(self.hf_quantizer)
-
-
-class AOQQuantize(_QuantizerOp):
-    """Quantize the weights transformers has just read (one parameter, or the few a conversion
-    produced together); an input embedding that is being untied also yields the output weight."""
-
-    def convert(self, input_dict, missing_keys=None, **kwargs):
-        q = self.hf_quantizer
-        out = {}
-        for name, value in input_dict.items():
-            value = value[0] if isinstance(value, list) else value
-            target = q._untied.get(name)
-            if target is not None and (missing_keys is None or target in missing_keys):
-                out[target] = q._quantized(target, value.detach().clone())
-            out[name] = q._quantized(name, value)
-        q._release_memory([v[0] if isinstance(v, list) else v for v in input_dict.values()])
-        return out
-
-
-class AOQLoad(_QuantizerOp):
-    """Rebuild one quantized parameter from its stored fields, or its float value when the
-    config says dequantize. Sources are "<leaf>:<field>" suffixes, e.g. "weight:qdata"."""
-
-    def convert(self, input_dict, model=None, full_layer_name=None, **kwargs):
-        leaf = _parent(full_layer_name)[1]
-        head = _storage_key(leaf, "")
-        fields = {}
-        for suffix, tensors in input_dict.items():
-            if not suffix.startswith(head):
-                raise FormatError(f"{full_layer_name}: stored key suffix {suffix!r} does not belong to it")
-            if len(tensors) != 1:
-                raise FormatError(f"{full_layer_name}: expected one stored tensor for {suffix!r}, got {len(tensors)}")
-            fields[suffix[len(head):]] = tensors[0]
-        out = {full_layer_name: self.hf_quantizer._build_one(model, full_layer_name, fields)}
-        # e.g. the canonical fields that place() just repacked, and the mapped pages read
-        self.hf_quantizer._release_memory(list(fields.values()))
-        return out
-
 
 # ---------------------------------------------------------------------- helpers
 def _meta_field(key: str, stored, source: str) -> torch.Tensor:
@@ -661,11 +416,6 @@ def _skipped(module_name: str, name: str, patterns: list[str]) -> bool:
     return bool(patterns) and not (
         should_convert_module(module_name, patterns) and should_convert_module(name, patterns)
     )
-
-
-def _storage_key(name: str, field: str) -> str:
-    """Where docs/format.md stores field `field` of the quantized tensor `name`."""
-    return f"{name}{serialization.SEPARATOR}{field}"
 
 
 def _model_name(name: str, params: set[str], prefix: str) -> str | None:
@@ -699,68 +449,3 @@ def _check_not_renamed(model, names: list[str]) -> None:
             f"conversion mapping); hf_aoq cannot store a quantized tensor under a changed name. Leave these "
             f"parameters unquantized (AOQConfig modules_to_not_convert, or None for them in the FqnToConfig)"
         )
-
-
-# The numbered block a linear is in, as hf_aoq.calibration counts them ("model.layers.3.").
-_BLOCK = re.compile(r"^(.*?)\.(\d+)\.")
-
-# Drop the checkpoint's mapped pages after about this many bytes were read from it: bounds what
-# the mapping adds to the peak resident size, at a few milliseconds per release.
-_RELEASE_EVERY = 16 << 20
-
-
-_PROBE_ROWS = 256
-
-
-def _quantized_nbytes(cfg: AOQBaseConfig, shape: tuple[int, int], dtype: torch.dtype, name: str) -> int:
-    """Bytes of `cfg` applied to a weight of this shape, measured on a small random probe.
-
-    Every layout here stores per-row data plus a constant (codes and per-row or per-group
-    scales, or a per-tensor scale), so two probes of _PROBE_ROWS and 2*_PROBE_ROWS rows give
-    the exact size of any row count; a weight with fewer rows is measured whole. Quantizing the
-    probe also checks the config against the weight (e.g. group size vs input dimension) before
-    anything is read from the checkpoint.
-    """
-    n, k = shape
-    gen = torch.Generator().manual_seed(0)
-
-    def measure(rows: int) -> int:
-        # transformers builds the model under torch.device("meta"); the probe must be real.
-        with torch.device("cpu"):
-            probe = torch.randn(rows, k, generator=gen).to(dtype)
-        try:
-            with torch.device("cpu"):
-                q = cfg.quantize_weight(probe, name=f"{rows}-row probe")
-        except AOQError as e:
-            raise AOQError(f"{name}: {cfg} does not fit this {n}x{k} weight ({e})") from None
-        return sum(t.numel() * t.element_size() for t in q.tensor_fields().values())
-
-    if n <= 2 * _PROBE_ROWS:
-        return measure(n)
-    a, b = measure(_PROBE_ROWS), measure(2 * _PROBE_ROWS)
-    return a + (b - a) * (n - _PROBE_ROWS) // _PROBE_ROWS
-
-
-# ---------------------------------------------------------------------- registration
-def register() -> None:
-    """Register AOQConfig and AOQHfQuantizer with transformers under "aoq" (idempotent)."""
-    for table, cls, hook in (
-        (_auto.AUTO_QUANTIZATION_CONFIG_MAPPING, AOQConfig, register_quantization_config),
-        (_auto.AUTO_QUANTIZER_MAPPING, AOQHfQuantizer, register_quantizer),
-    ):
-        existing = table.get(QUANT_METHOD)
-        if existing is None:
-            hook(QUANT_METHOD)(cls)
-        elif existing is not cls:
-            owner = f"{existing.__module__}.{existing.__name__}"
-            raise AOQError(f"transformers already has {owner} registered as {QUANT_METHOD!r}")
-    # transformers copies loading attributes (ours: `dequantize`) from the config given to
-    # from_pretrained onto the checkpoint's only for the config types in this tuple, and has no
-    # public hook to extend it. Without this, AOQConfig(dequantize=True) would be ignored with
-    # a warning; tests/test_transformers.py checks that it is honoured.
-    loading_types = getattr(_auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
-    if isinstance(loading_types, tuple) and AOQConfig not in loading_types:
-        _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = loading_types + (AOQConfig,)
-
-
-register()

@@ -1,0 +1,202 @@
+"""`AOQConfig`: what transformers should quantize while loading, or how to load an "aoq"
+checkpoint; its config.json form (`quantization_config`) and the older names it still reads."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ...configs import AOQBaseConfig, FqnToConfig, recipe_from_dict, recipe_to_dict
+from ...core.errors import AOQError, FormatError
+
+QUANT_METHOD = "aoq"
+# Version of the "quantization_config" JSON written to config.json (not of the tensor format).
+CONFIG_VERSION = 1
+
+_CONFIG_KEYS = (
+    "quant_method",
+    "version",
+    "quant_type",
+    "modules_to_not_convert",
+    "include_input_output_embeddings",
+    "include_embeddings",  # the name before 0.1.1; still read from config.json files
+    "untie_embedding_weights",
+    "dequantize",
+    "calibration",
+    "calibration_tokens",
+)
+
+
+class AOQConfig(QuantizationConfigMixin):
+    """How transformers should quantize a model while loading it, or load an "aoq" checkpoint.
+
+    quant_type               a quantization config (for every nn.Linear weight) or an FqnToConfig
+    modules_to_not_convert   module names or regexes never quantized, matched as transformers does
+                             (from the start of a name up to a dot, or as a suffix)
+    include_input_output_embeddings
+                             also quantize the input embedding and the output embedding (lm_head),
+                             TorchAoConfig's name (`include_embeddings` is the older name, accepted)
+    untie_embedding_weights  when the model ties them, give the output embedding its own weight
+    dequantize               load an "aoq" checkpoint as a float model (quant_type may be None)
+    calibration              a UTF-8 text file: load the float weights, then choose every int4
+                             linear weight by GPTQ on its first `calibration_tokens` tokens
+                             (hf_aoq.calibration); slower, and the float model is in memory once
+    calibration_tokens       how many tokens of `calibration` to use (default 2048)
+    """
+
+    def __init__(
+        self,
+        quant_type: AOQBaseConfig | FqnToConfig | None = None,
+        modules_to_not_convert: list[str] | None = None,
+        include_input_output_embeddings: bool | None = None,
+        untie_embedding_weights: bool = False,
+        dequantize: bool = False,
+        calibration: str | None = None,
+        calibration_tokens: int = 2048,
+        include_embeddings: bool | None = None,
+    ):
+        include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
+        for name, value in (
+            ("include_input_output_embeddings" if include_embeddings is None else "include_embeddings",
+             include_input_output_embeddings),
+            ("untie_embedding_weights", untie_embedding_weights),
+            ("dequantize", dequantize),
+        ):
+            if not isinstance(value, bool):
+                raise AOQError(f"AOQConfig.{name} must be True or False, got {value!r}")
+        if quant_type is None and not dequantize:
+            raise AOQError("AOQConfig needs a quant_type: a quantization config or an FqnToConfig")
+        if quant_type is not None and not isinstance(quant_type, (AOQBaseConfig, FqnToConfig)):
+            kind = type(quant_type).__name__
+            raise AOQError(f"AOQConfig.quant_type must be a quantization config or an FqnToConfig, got {kind}")
+        if modules_to_not_convert is not None:
+            skips = modules_to_not_convert
+            if isinstance(skips, str) or not all(isinstance(m, str) for m in skips):
+                raise AOQError(f"AOQConfig.modules_to_not_convert must be a list of strings, got {skips!r}")
+            for pattern in skips:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise AOQError(f"AOQConfig.modules_to_not_convert: {pattern!r} is not a valid regex: {e}") from None
+            modules_to_not_convert = list(skips)
+        if calibration is not None and not isinstance(calibration, (str, os.PathLike)):
+            raise AOQError(f"AOQConfig.calibration must be the path of a text file, got {calibration!r}")
+        if isinstance(calibration_tokens, bool) or not isinstance(calibration_tokens, int) or calibration_tokens < 2:
+            raise AOQError(f"AOQConfig.calibration_tokens must be an int >= 2, got {calibration_tokens!r}")
+        if calibration is not None and untie_embedding_weights:
+            raise AOQError("AOQConfig: calibration with untie_embedding_weights is not supported; untie before saving "
+                           "the float checkpoint, or quantize without calibration")
+        self.calibration = None if calibration is None else os.fspath(calibration)
+        self.calibration_tokens = calibration_tokens
+        self.quant_method = QUANT_METHOD
+        self.quant_type = quant_type
+        self.modules_to_not_convert = modules_to_not_convert
+        self.include_input_output_embeddings = include_input_output_embeddings
+        self.untie_embedding_weights = untie_embedding_weights
+        self.dequantize = dequantize
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole recipe as strict JSON-ready data (what config.json stores)."""
+        skips = self.modules_to_not_convert
+        return {
+            "quant_method": QUANT_METHOD,
+            "version": CONFIG_VERSION,
+            "quant_type": None if self.quant_type is None else recipe_to_dict(self.quant_type),
+            "modules_to_not_convert": None if skips is None else list(skips),
+            "include_input_output_embeddings": self.include_input_output_embeddings,
+            "untie_embedding_weights": self.untie_embedding_weights,
+            "dequantize": self.dequantize,
+            # Written only when used, so that older readers still read every other config.
+            **({"calibration": self.calibration, "calibration_tokens": self.calibration_tokens}
+               if self.calibration is not None else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs):
+        """Inverse of `to_dict`. Strict: an unknown key, type or value is a FormatError.
+
+        `kwargs` naming an AOQConfig argument override the dict (transformers' convention); the
+        rest are returned when `return_unused_kwargs` is set.
+        """
+        where = "quantization_config"
+        if not isinstance(config_dict, dict):
+            raise FormatError(f"{where} must be a JSON object, got {type(config_dict).__name__}")
+        unknown = sorted(set(config_dict) - set(_CONFIG_KEYS))
+        if unknown:
+            raise FormatError(f"{where}: unknown key(s) {unknown}; an aoq config has {list(_CONFIG_KEYS)}")
+        method = config_dict.get("quant_method")
+        if method != QUANT_METHOD:
+            raise FormatError(f"{where}: quant_method must be {QUANT_METHOD!r}, got {method!r}")
+        version = config_dict.get("version", CONFIG_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= CONFIG_VERSION:
+            raise FormatError(
+                f"{where}: version {version!r} is not one this hf_aoq reads (1..{CONFIG_VERSION}); "
+                f"a newer hf_aoq may have written it"
+            )
+        if "quant_type" not in config_dict:
+            raise FormatError(f"{where}: missing quant_type")
+        args: dict[str, Any] = {}
+        recipe = config_dict["quant_type"]
+        args["quant_type"] = None if recipe is None else recipe_from_dict(recipe, where=f"{where}.quant_type")
+        skips = config_dict.get("modules_to_not_convert")
+        if skips is not None and not (isinstance(skips, list) and all(isinstance(s, str) for s in skips)):
+            raise FormatError(f"{where}.modules_to_not_convert: expected a list of strings or null, got {skips!r}")
+        args["modules_to_not_convert"] = skips
+        for key in ("include_input_output_embeddings", "include_embeddings", "untie_embedding_weights", "dequantize"):
+            if key not in config_dict and key.startswith("include"):
+                continue  # either name may be missing (include_embeddings: files before 0.1.1)
+            value = config_dict.get(key, False)
+            if not isinstance(value, bool):
+                raise FormatError(f"{where}.{key}: expected true or false, got {value!r}")
+            args[key] = value
+        calibration = config_dict.get("calibration")
+        if calibration is not None and not isinstance(calibration, str):
+            raise FormatError(f"{where}.calibration: expected a file path or null, got {calibration!r}")
+        args["calibration"] = calibration
+        tokens = config_dict.get("calibration_tokens", 2048)
+        if isinstance(tokens, bool) or not isinstance(tokens, int):
+            raise FormatError(f"{where}.calibration_tokens: expected an integer, got {tokens!r}")
+        args["calibration_tokens"] = tokens
+        unused = {}
+        for key, value in kwargs.items():
+            if key in args:
+                args[key] = value
+            else:
+                unused[key] = value
+        try:
+            config = cls(**args)
+        except FormatError:
+            raise
+        except AOQError as e:
+            raise FormatError(f"{where}: {e}") from None
+        return (config, unused) if return_unused_kwargs else config
+
+    @property
+    def include_embeddings(self) -> bool:
+        """The older name of `include_input_output_embeddings`."""
+        return self.include_input_output_embeddings
+
+    @include_embeddings.setter
+    def include_embeddings(self, value: bool) -> None:
+        self.include_input_output_embeddings = value
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """What a config passed to from_pretrained may change on a checkpoint's config."""
+        return {"dequantize": self.dequantize}
+
+    def __eq__(self, other):
+        return isinstance(other, AOQConfig) and self.to_dict() == other.to_dict()
+
+    __hash__ = None
+
+
+def _one_of_two_names(new: bool | None, old: bool | None) -> bool:
+    """include_input_output_embeddings, given under its name or the older include_embeddings."""
+    if new is not None and old is not None and new != old:
+        raise AOQError("AOQConfig: include_embeddings is the older name of include_input_output_embeddings; give one")
+    value = new if new is not None else old
+    return False if value is None else value
+
+
