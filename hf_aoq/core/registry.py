@@ -36,6 +36,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ENUMS: dict[str, frozenset[str]] = {
     "Int4Tensor.packing": frozenset(),  # checkpoints hold the canonical layout only
     "Int4DQTensor.packing": frozenset(),
+    "Int8Tensor.packing": frozenset(),
     "Int8Tensor.act_quant": frozenset({"per_token"}),
     "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row"}),
 }

@@ -29,9 +29,9 @@ from ..core.primitives import (
     unpack_int4,
 )
 from ..core.registry import register_tensor_type
+from ..kernels.common import INT4_GROUP_SIZES as GROUP_SIZES
 from .common import BlockGridTensor, DevicePacked, check_grid_fields, check_weight
 
-GROUP_SIZES = (32, 64, 128, 256)
 QMIN, QMAX = 0, 15
 
 
