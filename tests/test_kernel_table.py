@@ -36,6 +36,7 @@ TABLE = [
     ("embedding", "Int4Tensor", "cuda_tinygemm", "reference"),
     ("embedding", "Int8Tensor", "canonical", "rowgather"),
     ("embedding", "Int8Tensor", "canonical", "reference"),
+    ("embedding", "Int8Tensor", "cpu_int8_aligned", "rowgather"),
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm"),
@@ -209,9 +210,13 @@ def test_the_int8_packing_copies_unaligned_codes_once_and_aten_reads_only_it():
     aligned = q.place()
     assert aligned.qdata.data_ptr() == q.qdata.data_ptr()  # already aligned: no copy
     assert placed.to_canonical().packing is None and torch.equal(placed.to_canonical().qdata, q.qdata)
-    # aten's int8 kernel never sees the canonical layout, which may be unaligned.
+    # aten's int8 kernel never sees the canonical layout, which may be unaligned; the kernels
+    # that read canonical weights read the packing too (it keeps the layout).
     assert "cpu_int8pack_mm" not in [k.name for k in kernels.kernels_for("linear", "Int8Tensor")
                                      if k.reads_packing(None)]
+    idx = torch.tensor([3, 39])
+    assert kernels.select_kernel("embedding", idx, placed).name == "rowgather"
+    assert torch.equal(F.embedding(idx, placed), q.dequantize()[idx])
     x = torch.randn(17, 64, dtype=torch.bfloat16)  # more than 16 rows: aten's path that crashed
     assert torch.allclose(F.linear(x, placed).float(), F.linear(x, q.dequantize(torch.bfloat16)).float(), rtol=2e-2, atol=0.5)
 

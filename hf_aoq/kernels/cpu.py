@@ -18,7 +18,7 @@ from ..core.primitives import pack_int4, unpack_int4
 from . import cpu_ext
 from .common import FLOATS, INT4_GROUP_SIZES, aligned_contiguous, int4_padded_k, pad_input, pad_int4_codes, scale_and_zero
 from .nibbles import unpack_nibbles
-from .registry import CANONICAL, Packing, capability, opaque_op, register_kernel, register_packing
+from .registry import Packing, capability, opaque_op, register_kernel, register_packing
 
 aten = torch.ops.aten
 
@@ -247,7 +247,8 @@ def unpack_int8_aligned(w):
 
 
 register_packing(
-    Packing("cpu_int8_aligned", "Int8Tensor", "cpu", 10, _per_row, pack_int8_aligned, unpack_int8_aligned)
+    Packing("cpu_int8_aligned", "Int8Tensor", "cpu", 10, _per_row, pack_int8_aligned, unpack_int8_aligned,
+            keeps_layout=True)
 )
 
 
@@ -293,9 +294,9 @@ def int8_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bi
     return cpu_ext.load().int8_linear_io(x, qdata, scale, bias, INT8_GEMV_MAX_ROWS)
 
 
-# hf_aoq's kernel reads codes at any alignment: the canonical layout as well as the packing.
-@register_kernel("linear", "Int8Tensor", "cpu_int8_ext", backend="cpu", priority=20,
-                 reads=(CANONICAL, "cpu_int8_aligned"), device="cpu", needs=(CPU_EXT,), when=_per_row_float_input)
+# hf_aoq's kernel reads codes at any alignment: canonical weights (and so the aligned packing).
+@register_kernel("linear", "Int8Tensor", "cpu_int8_ext", backend="cpu", priority=20, device="cpu", needs=(CPU_EXT,),
+                 when=_per_row_float_input)
 def int8_ext_linear(x, w, bias):
     """Weight-only and dynamic int8 alike (dynamic activations are quantized per token and
     dequantized in x's dtype first, as the reference does), computed in float32."""

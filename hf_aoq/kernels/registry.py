@@ -69,10 +69,13 @@ def capable(needs: tuple[Capability, ...], device: torch.device) -> bool:
     """Whether `device` has every capability in `needs` (each probed once per device)."""
     if not needs:
         return True
-    index = device.index
+    device_type, index = device.type, device.index
     if index is None:
-        index = torch.cuda.current_device() if device.type == "cuda" else -1
-    return all(cap.device_type == device.type and _capable(cap.name, device.type, index) for cap in needs)
+        index = torch.cuda.current_device() if device_type == "cuda" else -1
+    for cap in needs:  # a loop, not all(...): this runs on every call of a kernel
+        if cap.device_type != device_type or not _capable(cap.name, device_type, index):
+            return False
+    return True
 
 
 def compile_key() -> str:
@@ -134,7 +137,10 @@ class Kernel:
     backend: str
 
     def reads_packing(self, packing: str | None) -> bool:
-        return packing in self.reads or ANY in self.reads
+        if packing in self.reads or ANY in self.reads:
+            return True
+        # A packing that keeps the canonical layout (and only adds a guarantee) is canonical too.
+        return CANONICAL in self.reads and packing in _PACKINGS and _PACKINGS[packing].keeps_layout
 
     def applies(self, x: torch.Tensor, w) -> bool:
         """Every condition of this row for input `x` and weight `w`."""
@@ -156,9 +162,10 @@ class Packing:
     pack: Callable[[Any], Any]  # canonical weight -> packed weight
     unpack: Callable[[Any], Any]  # packed weight -> canonical weight
     needs: tuple[Capability, ...] = field(default=())  # what `pack` itself needs
+    keeps_layout: bool = False  # the canonical layout plus a guarantee: canonical kernels read it too
 
     def kernels(self, op: str = "linear") -> list[Kernel]:
-        """The kernels that read this packing, best first."""
+        """The kernels that read this packing, best first (not the reference, which reads all)."""
         return [k for k in _TABLE.get((op, self.type_name, self.name), ()) if ANY not in k.reads]
 
 
@@ -168,12 +175,15 @@ _TABLE: dict[tuple[str, str, str | None], tuple[Kernel, ...]] = {}  # (op, type,
 
 
 def _rebuild() -> None:
-    """(op, type, packing) -> rows, ANY rows expanded over the type's known packings."""
+    """(op, type, packing) -> rows, ANY rows expanded over the type's known packings; a packing's
+    rows are those of its device (or of any device)."""
     _TABLE.clear()
     for (op, type_name), rows in _KERNELS.items():
-        packings = [CANONICAL] + [p.name for p in _PACKINGS.values() if p.type_name == type_name]
-        for packing in packings:
-            chosen = tuple(k for k in rows if k.reads_packing(packing))
+        device_of = {CANONICAL: None, **{p.name: p.device_type for p in _PACKINGS.values() if p.type_name == type_name}}
+        for packing, device in device_of.items():
+            chosen = tuple(
+                k for k in rows if k.reads_packing(packing) and (device is None or k.device_type in (None, device))
+            )
             if chosen:
                 _TABLE[(op, type_name, packing)] = chosen
 
@@ -215,18 +225,15 @@ def register_packing(packing: Packing) -> Packing:
     return packing
 
 
-def _type_names(weight) -> list[str]:
-    return [cls.__name__ for cls in type(weight).__mro__]
-
-
 def select_kernel(op: str, x: torch.Tensor, weight) -> Kernel:
     """The first row, through the weight's MRO and by priority, whose conditions hold."""
     packing = getattr(weight, "packing", None)
-    for type_name in _type_names(weight):
-        for kernel in _TABLE.get((op, type_name, packing), ()):
+    device = x.device
+    for cls in type(weight).__mro__:
+        for kernel in _TABLE.get((op, cls.__name__, packing), ()):
             if (
-                (kernel.device_type is None or x.device.type == kernel.device_type)
-                and capable(kernel.needs, x.device)
+                (kernel.device_type is None or device.type == kernel.device_type)
+                and capable(kernel.needs, device)
                 and kernel.when(x, weight)
             ):
                 return kernel
@@ -249,8 +256,8 @@ def best_packing(weight) -> Packing | None:
     """The packing placement gives this canonical weight on its device: through the MRO, by
     priority, the first that holds it, can be made here and is read by a kernel that runs here."""
     device = weight.device
-    for type_name in _type_names(weight):
-        candidates = [p for p in _PACKINGS.values() if p.type_name == type_name and p.device_type == device.type]
+    for cls in type(weight).__mro__:
+        candidates = [p for p in _PACKINGS.values() if p.type_name == cls.__name__ and p.device_type == device.type]
         for p in sorted(candidates, key=lambda p: -p.priority):
             runnable = any(capable(k.needs, device) for op in _ops() for k in p.kernels(op))
             if runnable and capable(p.needs, device) and p.available(weight):
