@@ -9,6 +9,8 @@ priority; the first row whose device, capabilities and condition hold runs.
 A `Packing` is a device-specific layout of a type's fields that some kernels read; placement
 (`best_packing`) only picks a packing that a kernel capable on the device reads, so a packing
 names the kernels that can run it (`Packing.kernels`). `unpack` gives the canonical layout back.
+A packing that `keeps_layout` is the canonical layout plus a guarantee (Int8's: codes contiguous
+and aligned); kernels that read canonical weights read it too.
 
 A `Capability` is what a device allows (hf_aoq's C++ extension built, an aten op present, a CUDA
 compute capability, a CPU instruction set); each is probed once per device and then read from a
@@ -259,7 +261,10 @@ def best_packing(weight) -> Packing | None:
     for cls in type(weight).__mro__:
         candidates = [p for p in _PACKINGS.values() if p.type_name == cls.__name__ and p.device_type == device.type]
         for p in sorted(candidates, key=lambda p: -p.priority):
-            runnable = any(capable(k.needs, device) for op in _ops() for k in p.kernels(op))
+            # Worth making only for a kernel that runs here and does not read the canonical layout.
+            runnable = any(
+                capable(k.needs, device) and not k.reads_packing(CANONICAL) for op in _ops() for k in p.kernels(op)
+            )
             if runnable and capable(p.needs, device) and p.available(weight):
                 return p
     return None
