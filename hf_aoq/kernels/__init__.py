@@ -7,14 +7,17 @@ type, capabilities, per-call condition) -> function. `select_kernel(op, x, w)` w
 once per device: hf_aoq's C++ extension built, an aten op present, a CUDA compute capability)
 and condition (shapes, dtypes) hold. `table()` lists every row.
 
-Packings are device layouts some kernels read; `place()` picks, via `best_packing`, the best
-one that a kernel capable on the device reads, and `to_canonical()` undoes it (`get_packing`).
+Packings are device layouts some kernels read (`Packing.kernels()` names them); `place()` picks,
+via `best_packing`, the best one that a kernel capable on the device reads, and `to_canonical()`
+undoes it (`get_packing`). Kernels that call C++ or ops Inductor cannot lower go through
+`OpaqueOp`, the one place that decides between the eager call and torch.compile's opaque op.
 
 The backends, one file each, register their rows: reference.py (dequantize, then the float op:
 every type, every packing, every device; what tests compare against), cpu.py (aten's CPU int4
 and int8 kernels and hf_aoq's own C++ ones, csrc/), cuda.py (tinygemm, `_int_mm`,
-`_scaled_mm`). Adding a kernel is one `register_kernel` row in its backend's file; adding a
-tensor type touches no file here beyond its rows. Kernels see weights only through their
+`_scaled_mm`). Adding a kernel is one `register_kernel` row in its backend's file (plus a
+`register_packing` if it reads a layout of its own); adding a tensor type adds its name to
+reference.TYPES and its rows, nothing else here. Kernels see weights only through their
 declared fields (`w.qdata`, `w.scale`, ...), so this package imports no tensor type.
 Quantize-time work that has a C++ version (search.py) is reached through one function each,
 with its torch fallback, so that tensors/ never calls the extension.
