@@ -1,15 +1,30 @@
-"""hf_aoq's own CPU kernels (csrc/int_cpu.cpp) against the reference, on both of their paths
-(GEMV at few rows, dequantize + GEMM at many) and on the shapes their blocking treats apart."""
+"""The CPU kernels and packings (kernels/cpu.py): hf_aoq's own C++ kernels (csrc/) against the
+reference, on both of their paths (GEMV at few rows, dequantize + GEMM at many) and on the
+shapes their blocking treats apart; the packings' round trips; aten's kernels on awkward inputs.
+tests/test_no_cpu_ext.py runs this module again without the extension."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import Int4Tensor, Int8Tensor, kernels
+from hf_aoq import (
+    Float8WeightOnlyConfig,
+    Int4Tensor,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8Tensor,
+    Int8WeightOnlyConfig,
+    kernels,
+)
 from hf_aoq.kernels import cpu, cpu_ext
 
-from conftest import int16_activation_linear, sqnr
+from conftest import cpu_int4_packing, int16_activation_linear, sqnr
 
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
+
+
+def int4pack_linear(x2, packed, scale_zero, g, int16_activations):
+    """hf_aoq's int4 C++ kernel on float32 rows x2, with the library's crossover."""
+    return cpu_ext.load().int4pack_linear(x2, packed, scale_zero, g, cpu.INT4_GEMV_MAX_ROWS, int16_activations)
 
 
 def rel_err(expected, got):
@@ -64,14 +79,14 @@ def test_int4_kernel_through_int16_activation_codes(n, k, g):
     for m in (1, 2, 3, 5, cpu.INT4_GEMV_MAX_ROWS + 1, 130):
         x = torch.randn(m, k).bfloat16().float()
         x[0, :g] *= 100  # an outlier group: the steps are per group, the other groups keep theirs
-        got = cpu.int4pack_linear_cpu(x, q.qdata, q.scale, g, True)
+        got = int4pack_linear(x, q.qdata, q.scale, g, True)
         expected, bound = int16_activation_linear(x, w, g)
         assert rel_err(expected, got) < 1e-6, m
         exact = x.double() @ w.double().t()
         assert ((got - exact).abs() <= bound + 1e-6 * exact.abs().max()).all(), m
-        assert torch.equal(cpu.int4pack_linear_cpu(x[-1:], q.qdata, q.scale, g, True), got[-1:]), m
+        assert torch.equal(int4pack_linear(x[-1:], q.qdata, q.scale, g, True), got[-1:]), m
         # Float32 activations take the float32 paths: closer than the int16 codes allow.
-        assert rel_err(exact, cpu.int4pack_linear_cpu(x, q.qdata, q.scale, g, False)) < 1e-6 < rel_err(exact, got), m
+        assert rel_err(exact, int4pack_linear(x, q.qdata, q.scale, g, False)) < 1e-6 < rel_err(exact, got), m
 
 
 @needs_ext
@@ -84,9 +99,9 @@ def test_int4_int16_path_keeps_non_finite_inputs_non_finite():
         for bad in (float("nan"), float("inf"), -float("inf")):
             x = torch.randn(3, 128)
             x[1, 40] = bad
-            got = cpu.int4pack_linear_cpu(x, q.qdata, q.scale, 32, True)
+            got = int4pack_linear(x, q.qdata, q.scale, 32, True)
             assert got[1].isnan().all() and torch.isfinite(got[[0, 2]]).all(), (n, bad)
-            clean = cpu.int4pack_linear_cpu(x[[0, 2]], q.qdata, q.scale, 32, True)
+            clean = int4pack_linear(x[[0, 2]], q.qdata, q.scale, 32, True)
             assert torch.equal(got[[0, 2]], clean)
 
 
@@ -98,7 +113,7 @@ def test_int4_gemm_path_dequantizes_exactly_as_the_reference():
     for dtype in (torch.float32, torch.bfloat16):
         q = Int4Tensor.from_float(torch.randn(48, 256, dtype=dtype), 64).place()
         eye = torch.eye(256)
-        got = cpu.int4pack_linear_cpu(eye, q.qdata, q.scale, 64, False)
+        got = int4pack_linear(eye, q.qdata, q.scale, 64, False)
         assert torch.equal(got.t(), q.dequantize(torch.float32))
 
 
@@ -156,7 +171,7 @@ def test_fp8_many_rows_path_dequantizes_exactly_as_the_reference(f8):
     q = Float8Tensor.from_float(w, f8)
     assert (q.qdata.view(torch.uint8) & 0x7F < (8 if f8 == torch.float8_e4m3fn else 4)).any()
     shift = cpu._FP8_SHIFT[f8]
-    got = cpu.fp8_dequant_linear_cpu(torch.eye(96), q.qdata.view(torch.uint8), q.scale.reshape(-1).contiguous(), shift)
+    got = cpu_ext.load().fp8_dequant_linear(torch.eye(96), q.qdata.view(torch.uint8), q.scale.reshape(-1).contiguous(), shift)
     assert torch.equal(got.t(), q.dequantize(torch.float32))
     x = torch.randn(cpu.FP8_GEMV_MAX_ROWS + 5, 96)
     assert rel_err(F.linear(x, q.dequantize(torch.float32)), F.linear(x, q)) < 1e-5
@@ -208,8 +223,9 @@ def test_avx2_unpack_inverts_the_packing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_one_call_eager_path_equals_the_composed_ops(dtype, with_bias, monkeypatch):
-    """Eager calls do the input conversion, padding, bias and output cast in C++; torch.compile
-    composes the same steps from torch ops around the opaque kernel. Both must give the same bits."""
+    """Eager calls go straight to the C++ entry point (input conversion, padding, bias and output
+    cast in one call); torch.compile sees it as an opaque custom op (registry.OpaqueOp), called
+    here as a compiled graph calls it. Both must give the same bits."""
     torch.manual_seed(0)
     from hf_aoq import Float8Tensor
 
@@ -307,3 +323,52 @@ def test_many_rows_path_over_many_chunks_and_threads(kind, mode):
         torch.set_num_threads(threads)
     assert kernels.select_kernel("linear", x, q).name != "reference"
     assert rel_err(expected, got) < 1e-5
+
+
+def test_int4_cpu_packing_roundtrip_is_exact():
+    torch.manual_seed(0)
+    for shape, g, sym in [((64, 256), 32, False), ((48, 128), 128, True), ((16, 512), 256, False)]:
+        canonical = Int4Tensor.from_float(torch.randn(*shape, dtype=torch.bfloat16), g, sym)
+        assert canonical.place().packing == cpu_int4_packing()
+        # Both CPU packings, whichever place() picks: aten's is the fallback without the extension.
+        for packing in {cpu_int4_packing(), "cpu_int4pack"}:
+            packed = kernels.get_packing(packing).pack(canonical)
+            assert packed.packing == packing
+            back = packed.to_canonical()
+            assert back.packing is None
+            for name, t in canonical.tensor_fields().items():
+                assert torch.equal(t, getattr(back, name)), (packing, name)
+            assert torch.equal(packed.dequantize(), canonical.dequantize())
+
+
+@needs_ext
+@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cpu_kernel_decodes_every_code_exactly(f8):
+    from hf_aoq.kernels.cpu import _FP8_SHIFT
+
+    fp8_linear_cpu = cpu_ext.load().fp8_linear
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(f8).float()
+    finite = torch.isfinite(values)  # NaN/inf codes are never written by the quantizer
+    shift = _FP8_SHIFT[f8]
+    # K = 1: each output is one decoded code; subnormal codes included.
+    y = fp8_linear_cpu(torch.ones(1, 1), codes.view(256, 1), torch.ones(256), shift)
+    assert torch.equal(y[0][finite], values[finite])
+    # A long row exercises the vectorized loop and its tail.
+    torch.manual_seed(0)
+    row = codes[finite].repeat(3)[:517].reshape(1, -1).contiguous()
+    x = torch.randn(5, row.shape[1])
+    got = fp8_linear_cpu(x, row, torch.ones(1), shift)
+    assert torch.allclose(got, x @ row.view(f8).float().t(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("config", [Int4WeightOnlyConfig(32), Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig(),
+                                    Float8WeightOnlyConfig()])
+def test_unaligned_activation(config):
+    # A view at an odd address, as from a tensor read out of a file: aten's int8 CPU kernel
+    # crashed on these before hf_aoq realigned its input.
+    q = config.quantize_weight(torch.randn(32, 64, dtype=torch.bfloat16)).place()
+    x = torch.randn(193, dtype=torch.bfloat16)[1:].view(3, 64)
+    assert x.data_ptr() % 4
+    assert torch.allclose(F.linear(x, q).float(), F.linear(x.clone(), q).float())

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from hf_aoq.kernels import cpu_ext
+from hf_aoq.kernels.cpu import INT4_GEMV_MAX_ROWS as GEMV_MAX_ROWS  # the one definition; any value works here
 
 from conftest import int16_activation_linear
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
 
-GEMV_MAX_ROWS = 12  # the int4 kernels' float32 crossover (cpu.INT4_GEMV_MAX_ROWS); any value works here
 
 SHAPES = [
     (n, k, g)

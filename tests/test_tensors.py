@@ -83,45 +83,6 @@ def test_linear_against_float_and_every_kernel_against_reference(config, floor, 
         assert ran >= 1
 
 
-def test_cpu_picks_fast_kernels():
-    w = torch.randn(64, 256, dtype=torch.bfloat16)
-    x = torch.randn(2, 256, dtype=torch.bfloat16)
-    # hf_aoq's own int4/int8 kernels where its extension builds; aten's otherwise.
-    from hf_aoq.kernels import cpu_ext
-
-    int4 = "cpu_int4_ext" if cpu_ext.available() else "cpu_int4pack_mm"
-    int8 = "cpu_int8_ext" if cpu_ext.available() else "cpu_int8pack_mm"
-    picks = {
-        "Int4": (Int4WeightOnlyConfig(64), int4),
-        "Int8": (Int8WeightOnlyConfig(), int8),
-        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8),
-        "Float8": (Float8WeightOnlyConfig(), "cpu_fp8_gemv"),
-        "Float8dyn": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), "cpu_fp8_gemv"),
-    }
-    for name, (config, kernel) in picks.items():
-        q = config.quantize_weight(w).place()
-        assert kernels.select_kernel("linear", x, q).name == kernel, name
-    # Per-group int8 has no fast CPU kernel: the reference runs.
-    q = Int8WeightOnlyConfig(group_size=64).quantize_weight(w)
-    assert kernels.select_kernel("linear", x, q).name == "reference"
-
-
-def test_int4_cpu_packing_roundtrip_is_exact():
-    torch.manual_seed(0)
-    for shape, g, sym in [((64, 256), 32, False), ((48, 128), 128, True), ((16, 512), 256, False)]:
-        canonical = Int4Tensor.from_float(torch.randn(*shape, dtype=torch.bfloat16), g, sym)
-        assert canonical.place().packing == cpu_int4_packing()
-        # Both CPU packings, whichever place() picks: aten's is the fallback without the extension.
-        for packing in {cpu_int4_packing(), "cpu_int4pack"}:
-            packed = kernels.get_packing(packing).pack(canonical)
-            assert packed.packing == packing
-            back = packed.to_canonical()
-            assert back.packing is None
-            for name, t in canonical.tensor_fields().items():
-                assert torch.equal(t, getattr(back, name)), (packing, name)
-            assert torch.equal(packed.dequantize(), canonical.dequantize())
-
-
 @pytest.mark.parametrize("k,g", [(576, 128), (96, 64), (48, 128), (320, 256)])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_partial_last_group(k, g, symmetric):
@@ -161,15 +122,6 @@ def test_int4_partial_last_group(k, g, symmetric):
     assert torch.equal(F.embedding(idx, q), full[idx])
     with pytest.raises(AOQError, match="align with its block size"):
         q[:, : tail + 2]
-
-
-def test_int4_odd_shapes_fall_back_to_canonical():
-    q = Int4Tensor.from_float(torch.randn(5, 64), 32)
-    placed = q.place()
-    assert placed.packing is None
-    x = torch.randn(2, 64)
-    assert kernels.select_kernel("linear", x, placed).name == "reference"
-    assert torch.allclose(F.linear(x, placed), F.linear(x, q.dequantize()), atol=1e-5)
 
 
 @pytest.mark.parametrize("config", [Int4WeightOnlyConfig(32), Int8WeightOnlyConfig(), Float8WeightOnlyConfig()])
@@ -282,36 +234,6 @@ def test_int8_per_token_activation_quantization_is_what_the_kernel_sees():
     x[1] *= 100  # per-token scales: one loud row does not flatten the others
     xs = q.simulate_input_quantization(x)
     assert sqnr(x[0], xs[0]) > 38 and sqnr(x[2], xs[2]) > 38
-
-
-@pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_cpu_kernel_decodes_every_code_exactly(f8):
-    from hf_aoq.kernels.cpu import _FP8_SHIFT, fp8_linear_cpu
-
-    codes = torch.arange(256, dtype=torch.uint8)
-    values = codes.view(f8).float()
-    finite = torch.isfinite(values)  # NaN/inf codes are never written by the quantizer
-    shift = _FP8_SHIFT[f8]
-    # K = 1: each output is one decoded code; subnormal codes included.
-    y = fp8_linear_cpu(torch.ones(1, 1), codes.view(256, 1), torch.ones(256), shift)
-    assert torch.equal(y[0][finite], values[finite])
-    # A long row exercises the vectorized loop and its tail.
-    torch.manual_seed(0)
-    row = codes[finite].repeat(3)[:517].reshape(1, -1).contiguous()
-    x = torch.randn(5, row.shape[1])
-    got = fp8_linear_cpu(x, row, torch.ones(1), shift)
-    assert torch.allclose(got, x @ row.view(f8).float().t(), rtol=1e-5, atol=1e-3)
-
-
-@pytest.mark.parametrize("config", [Int4WeightOnlyConfig(32), Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig(),
-                                    Float8WeightOnlyConfig()])
-def test_unaligned_activation(config):
-    # A view at an odd address, as from a tensor read out of a file: aten's int8 CPU kernel
-    # crashed on these before hf_aoq realigned its input.
-    q = config.quantize_weight(torch.randn(32, 64, dtype=torch.bfloat16)).place()
-    x = torch.randn(193, dtype=torch.bfloat16)[1:].view(3, 64)
-    assert x.data_ptr() % 4
-    assert torch.allclose(F.linear(x, q).float(), F.linear(x.clone(), q).float())
 
 
 # ---------------------------------------------------------------------- layouts a loader accepts

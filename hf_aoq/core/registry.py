@@ -46,6 +46,7 @@ SHORT_DTYPE_NAMES: dict[torch.dtype, str] = {d: short for d, _, _, short in _DTY
 ENUMS: dict[str, frozenset[str]] = {
     "Int4Tensor.packing": frozenset(),  # checkpoints hold the canonical layout only
     "Int4DQTensor.packing": frozenset(),
+    "Int8Tensor.packing": frozenset(),
     "Int8Tensor.act_quant": frozenset({"per_token"}),
     "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row"}),
 }

@@ -31,6 +31,10 @@ aten = torch.ops.aten
 
 _WRAPPER_ATTRIBUTES = ("shape", "dtype")
 
+# More parts of torch.compile's cache key, added by the layers above (the kernel table adds what
+# this machine's kernels allow): a graph traced where other kernels were chosen is not reused.
+CACHE_KEY_PARTS: list[Callable[[], str]] = []
+
 OpImpl = Callable[[Any, tuple, tuple, dict], Any]
 
 
@@ -204,6 +208,7 @@ class AOQTensor(torch.Tensor):
         type, the attributes and each field tensor's metadata (never its values)."""
         parts = [type(self).__qualname__, compile_cache.package_source_digest(), repr(tuple(self.shape)),
                  str(self.dtype), str(self.requires_grad)]
+        parts += [part() for part in CACHE_KEY_PARTS]
         for n in self.attribute_names():
             if n not in _WRAPPER_ATTRIBUTES:
                 parts.append(f"{n}={getattr(self, n)!r}")

@@ -1,7 +1,24 @@
-"""Small pieces shared by the CPU and CUDA kernels."""
+"""Small pieces shared by the CPU and CUDA kernels (and the tensor types that feed them)."""
 from __future__ import annotations
 
 import torch
+
+# The group sizes of Int4Tensor: what every int4 kernel takes (aten's CPU int4 and tinygemm, and
+# hf_aoq's pairs layout), so that every int4 weight has a fast kernel. The one definition;
+# tensors/int4.py and the backends import it.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # activation dtypes the CPU kernels take
+ALIGNMENT = 64  # bytes: what aten's CPU kernels assume of their operands (a fresh allocation's)
+
+
+def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it is contiguous and starts on an ALIGNMENT boundary, else such a copy. Tensors read
+    from a file view its bytes at whatever offset they have; aten's int8 CPU kernel crashes on
+    those (SIGSEGV, torch 2.13), so the packings that feed it copy once, at placement."""
+    if t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def scale_and_zero(w) -> torch.Tensor:

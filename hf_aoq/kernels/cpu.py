@@ -2,24 +2,33 @@
 kernels on aten's packing, and hf_aoq's own (csrc/, built on first use) for int4 (on hf_aoq's
 "pairs" packing), int8 and float8 weights, which compute in float32 (int4 with bf16/fp16
 activations: through int16 activation codes) and win where they apply (measured by
-scripts/bench_kernels.py)."""
+scripts/bench_kernels.py).
+
+Row-count crossovers (`*_GEMV_MAX_ROWS`) are defined here only and passed to the C++ kernels,
+which choose their path with them. Eager and compiled calls run the same C++ entry points (the
+`*_linear_io` functions of csrc/linear_io.cpp), through `OpaqueOp`."""
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
 from ..core.primitives import pack_int4, unpack_int4
-from . import Packing, cpu_ext, register_kernel, register_packing
-from .common import int4_padded_k, pad_input, pad_int4_codes, scale_and_zero
+from . import cpu_ext
+from .common import FLOATS, INT4_GROUP_SIZES, aligned_contiguous, int4_padded_k, pad_input, pad_int4_codes, scale_and_zero
 from .nibbles import unpack_nibbles
+from .registry import Packing, capability, opaque_op, register_kernel, register_packing
 
 aten = torch.ops.aten
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 HAS_INT4_CPU = hasattr(aten, "_weight_int4pack_mm_for_cpu") and hasattr(aten, "_convert_weight_to_int4pack_for_cpu")
 HAS_INT8_WEIGHT_MM = hasattr(aten, "_weight_int8pack_mm")
+
+# What the CPU allows, probed once (see registry.capable).
+CPU_EXT = capability("cpu:hf_aoq_ext", "cpu", lambda device: cpu_ext.available())
+ATEN_INT4_CPU = capability("cpu:aten_int4pack_mm", "cpu", lambda device: HAS_INT4_CPU)
+ATEN_INT8_MM = capability("cpu:aten_int8pack_mm", "cpu", lambda device: HAS_INT8_WEIGHT_MM)
 
 
 # ---------------------------------------------------------------------- int4
@@ -37,8 +46,7 @@ def _aten_int4pack(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _int4_cpu_available(w) -> bool:
-    n, k = w.shape
-    return HAS_INT4_CPU and w.block_size[-1] in INT4_GROUP_SIZES and n % 16 == 0
+    return w.block_size[-1] in INT4_GROUP_SIZES and w.shape[0] % 16 == 0
 
 
 def pack_int4_for_cpu(w):
@@ -59,15 +67,17 @@ def unpack_int4_from_cpu(w):
 
 
 register_packing(
-    Packing("cpu_int4pack", "Int4Tensor", "cpu", 10, _int4_cpu_available, pack_int4_for_cpu, unpack_int4_from_cpu)
+    Packing("cpu_int4pack", "Int4Tensor", "cpu", 10, _int4_cpu_available, pack_int4_for_cpu, unpack_int4_from_cpu,
+            needs=(ATEN_INT4_CPU,))
 )
 
 
-def _int4_cpu_applies(x, w) -> bool:
-    return w.packing == "cpu_int4pack" and x.device.type == "cpu" and x.dtype in FLOATS
+def _float_input(x, w) -> bool:
+    return x.dtype in FLOATS
 
 
-@register_kernel("linear", "Int4Tensor", "cpu_int4pack_mm", backend="cpu", priority=10, applies=_int4_cpu_applies)
+@register_kernel("linear", "Int4Tensor", "cpu_int4pack_mm", backend="cpu", priority=10, reads=("cpu_int4pack",),
+                 device="cpu", needs=(ATEN_INT4_CPU,), when=_float_input)
 def int4_cpu_linear(x, w, bias):
     k = w.shape[1]
     x2 = pad_input(x.reshape(-1, k), int4_padded_k(w)).contiguous()
@@ -161,7 +171,7 @@ def pairs_int4unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor
 
 
 def _int4_pairs_available(w) -> bool:
-    return w.block_size[-1] in INT4_GROUP_SIZES and w.shape[0] % 16 == 0 and cpu_ext.available()
+    return w.block_size[-1] in INT4_GROUP_SIZES and w.shape[0] % 16 == 0
 
 
 def pack_int4_pairs(w):
@@ -178,54 +188,41 @@ def unpack_int4_pairs(w):
 
 
 register_packing(
-    Packing("cpu_int4_pairs", "Int4Tensor", "cpu", 20, _int4_pairs_available, pack_int4_pairs, unpack_int4_pairs)
+    Packing("cpu_int4_pairs", "Int4Tensor", "cpu", 20, _int4_pairs_available, pack_int4_pairs, unpack_int4_pairs,
+            needs=(CPU_EXT,))
 )
 
 
-# The custom op makes the kernel opaque to torch.compile; eager calls skip its dispatch, which
-# costs as much as the kernel itself for a small layer at batch 1.
-@torch.library.custom_op("hf_aoq::int4pack_linear_cpu", mutates_args=())
-def int4pack_linear_cpu(
-    x2: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int, int16_activations: bool
+def _in_features(w) -> int:
+    with torch._C.DisableTorchFunctionSubclass():  # `w.shape` through __torch_function__ costs 10x
+        return w.shape[-1]
+
+
+def _linear_out(x, packed, *rest):
+    """The fake of every `*_linear_io` op: x [..., k] -> [..., N] in x's dtype, N = packed rows."""
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+# One C++ call does the input conversion to float32, padding, the kernel, bias and output cast.
+@opaque_op("int4_linear_io_cpu", _linear_out)
+def int4_linear_io(
+    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int, k: int,
+    bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    return cpu_ext.load().int4pack_linear(x2, packed, scale_zero, group_size, INT4_GEMV_MAX_ROWS, int16_activations)
+    return cpu_ext.load().int4pack_linear_io(x, packed, scale_zero, group_size, k, bias, INT4_GEMV_MAX_ROWS)
 
 
-@int4pack_linear_cpu.register_fake
-def _(x2, packed, scale_zero, group_size, int16_activations):
-    return x2.new_empty(x2.shape[0], packed.shape[0])
+def _contiguous_float_input(x, w) -> bool:
+    return x.dtype in FLOATS and w.qdata.is_contiguous() and w.scale.is_contiguous()
 
 
-def _int4_ext_applies(x, w) -> bool:
-    return (
-        w.packing == "cpu_int4_pairs"
-        and x.device.type == "cpu"
-        and x.dtype in FLOATS
-        and w.qdata.is_contiguous()
-        and w.scale.is_contiguous()
-    )
-
-
-@register_kernel("linear", "Int4Tensor", "cpu_int4_ext", backend="cpu", priority=20, applies=_int4_ext_applies)
+@register_kernel("linear", "Int4Tensor", "cpu_int4_ext", backend="cpu", priority=20, reads=("cpu_int4_pairs",),
+                 device="cpu", needs=(CPU_EXT,), when=_contiguous_float_input)
 def int4_ext_linear(x, w, bias):
     """Float32 activations: float32 compute on the exactly dequantized weight. Half-precision
     activations meet the codes as int16 codes (see int_cpu.cpp), more precise than the
     reference, which rounds the weight to the activation dtype."""
-    if not torch.compiler.is_compiling():
-        # One C++ call does the input conversion, padding, bias and output cast as below.
-        return cpu_ext.load().int4pack_linear_io(x, w.qdata, w.scale, w.block_size[-1], x.shape[-1], bias, INT4_GEMV_MAX_ROWS)
-    n, k, padded_k = _int4_dims(w)
-    x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()
-    y = int4pack_linear_cpu(x2, w.qdata, w.scale, w.block_size[-1], x.dtype != torch.float32)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
-
-
-def _int4_dims(w) -> tuple[int, int, int]:
-    with torch._C.DisableTorchFunctionSubclass():  # `w.shape` through __torch_function__ costs 10x
-        n, k = w.shape
-        return n, k, int4_padded_k(w)
+    return int4_linear_io(x, w.qdata, w.scale, w.block_size[-1], _in_features(w), bias)
 
 
 # ---------------------------------------------------------------------- int8
@@ -234,29 +231,44 @@ def _per_row(w) -> bool:
     return w.block_size[0] == 1 and w.scale.ndim == 2 and w.scale.shape[1] == 1
 
 
-def _int8_cpu_applies(x, w) -> bool:
-    return HAS_INT8_WEIGHT_MM and x.device.type == "cpu" and _per_row(w) and x.dtype in FLOATS
+def _per_row_float_input(x, w) -> bool:
+    return x.dtype in FLOATS and _per_row(w) and w.qdata.is_contiguous()
 
 
+# The int8 CPU packing keeps the canonical layout and only guarantees what aten's kernel
+# assumes: codes contiguous and 64-byte aligned, copied once here if they are not (a tensor
+# read from a file views it at its offset in the file).
+def pack_int8_aligned(w):
+    return w.replace(qdata=aligned_contiguous(w.qdata), packing="cpu_int8_aligned")
+
+
+def unpack_int8_aligned(w):
+    return w.replace(packing=None)
+
+
+register_packing(
+    Packing("cpu_int8_aligned", "Int8Tensor", "cpu", 10, _per_row, pack_int8_aligned, unpack_int8_aligned,
+            keeps_layout=True)
+)
+
+
+def _int8pack_mm_applies(x, w) -> bool:
+    # With bfloat16 activations aten's kernel also needs every activation row 32-byte aligned
+    # (it crashes for K % 16 != 0 at more than one row, torch 2.13); the other dtypes do not.
+    return _per_row_float_input(x, w) and (x.dtype != torch.bfloat16 or w.qdata.shape[-1] % 16 == 0)
+
+
+# Inductor's own lowering of this op fails on unrealized inputs (torch 2.13): under torch.compile
+# it is an opaque op, which gets realized buffers.
+@opaque_op("int8pack_mm_cpu", lambda x2, qdata, scale: x2.new_empty(x2.shape[0], qdata.shape[0]))
 def _int8pack_mm(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if x2.data_ptr() % 64:
-        # aten's kernel crashes (torch 2.13) on an input that is not 4-byte aligned, such as a
-        # view into a tensor read from a file; a fresh allocation is always aligned.
-        x2 = x2.clone()
-    return aten._weight_int8pack_mm(x2, qdata, scale)
+    # aten's kernel crashes (torch 2.13) on operands that are not aligned (the weight's codes
+    # are, by their packing); an input view may not be, a fresh allocation is.
+    return aten._weight_int8pack_mm(aligned_contiguous(x2), qdata, scale)
 
 
-@torch.library.custom_op("hf_aoq::int8pack_mm", mutates_args=())
-def _int8pack_mm_opaque(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _int8pack_mm(x2, qdata, scale)
-
-
-@_int8pack_mm_opaque.register_fake
-def _(x2, qdata, scale):
-    return x2.new_empty(x2.shape[0], qdata.shape[0])
-
-
-@register_kernel("linear", "Int8Tensor", "cpu_int8pack_mm", backend="cpu", priority=10, applies=_int8_cpu_applies)
+@register_kernel("linear", "Int8Tensor", "cpu_int8pack_mm", backend="cpu", priority=10, reads=("cpu_int8_aligned",),
+                 device="cpu", needs=(ATEN_INT8_MM,), when=_int8pack_mm_applies)
 def int8_cpu_linear(x, w, bias):
     """Weight-only and dynamic int8 alike. aten's `_int_mm` on CPU is several times slower than
     this even counting the activation round trip (measured: 5.7 ms against 0.8 ms for a
@@ -265,10 +277,7 @@ def int8_cpu_linear(x, w, bias):
     k = w.shape[1]
     x = w.simulate_input_quantization(x)
     scale = w.scale.reshape(-1).to(x.dtype)
-    # Inductor's own lowering of this op fails on unrealized inputs (torch 2.13); an opaque
-    # custom op makes it pass realized buffers. Eager calls aten directly, without the wrapper.
-    mm = _int8pack_mm_opaque if torch.compiler.is_compiling() else _int8pack_mm
-    y = mm(x.reshape(-1, k).contiguous(), w.qdata, scale)
+    y = _int8pack_mm(x.reshape(-1, k).contiguous(), w.qdata, scale)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -280,40 +289,18 @@ def int8_cpu_linear(x, w, bias):
 INT8_GEMV_MAX_ROWS = 8  # measured crossover with dequantize + GEMM, 2048x5632, one thread
 
 
-@torch.library.custom_op("hf_aoq::int8_linear_cpu", mutates_args=())
-def int8_linear_cpu(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return cpu_ext.load().int8_linear(x2, qdata, scale, INT8_GEMV_MAX_ROWS)
+@opaque_op("int8_linear_io_cpu", _linear_out)
+def int8_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().int8_linear_io(x, qdata, scale, bias, INT8_GEMV_MAX_ROWS)
 
 
-@int8_linear_cpu.register_fake
-def _(x2, qdata, scale):
-    return x2.new_empty(x2.shape[0], qdata.shape[0])
-
-
-def _int8_ext_applies(x, w) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype in FLOATS
-        and _per_row(w)
-        and w.qdata.is_contiguous()
-        and cpu_ext.available()
-    )
-
-
-@register_kernel("linear", "Int8Tensor", "cpu_int8_ext", backend="cpu", priority=20, applies=_int8_ext_applies)
+# hf_aoq's kernel reads codes at any alignment: canonical weights (and so the aligned packing).
+@register_kernel("linear", "Int8Tensor", "cpu_int8_ext", backend="cpu", priority=20, device="cpu", needs=(CPU_EXT,),
+                 when=_per_row_float_input)
 def int8_ext_linear(x, w, bias):
     """Weight-only and dynamic int8 alike (dynamic activations are quantized per token and
     dequantized in x's dtype first, as the reference does), computed in float32."""
-    x = w.simulate_input_quantization(x)
-    if not torch.compiler.is_compiling():
-        # One C++ call does the input conversion, bias and output cast as below.
-        return cpu_ext.load().int8_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)
-    n, k = w.qdata.shape
-    x2 = x.reshape(-1, k).float().contiguous()
-    y = int8_linear_cpu(x2, w.qdata, w.scale.reshape(-1).float().contiguous())
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return int8_linear_io(w.simulate_input_quantization(x), w.qdata, w.scale, bias)
 
 
 # ---------------------------------------------------------------------- float8
@@ -322,57 +309,28 @@ _FP8_SHIFT = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
 FP8_GEMV_MAX_ROWS = 16  # above this, one upcast of the weight and a float32 GEMM win
 
 
-@torch.library.custom_op("hf_aoq::fp8_linear_cpu", mutates_args=())
-def fp8_linear_cpu(x2: torch.Tensor, codes: torch.Tensor, row_scale: torch.Tensor, shift: int) -> torch.Tensor:
-    return cpu_ext.load().fp8_linear(x2, codes, row_scale, shift)
-
-
-@fp8_linear_cpu.register_fake
-def _(x2, codes, row_scale, shift):
-    return x2.new_empty(x2.shape[0], codes.shape[0])
-
-
-@torch.library.custom_op("hf_aoq::fp8_dequant_linear_cpu", mutates_args=())
-def fp8_dequant_linear_cpu(x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shift: int) -> torch.Tensor:
-    return cpu_ext.load().fp8_dequant_linear(x2, codes, scale, shift)
-
-
-@fp8_dequant_linear_cpu.register_fake
-def _(x2, codes, scale, shift):
-    return x2.new_empty(x2.shape[0], codes.shape[0])
+@opaque_op("fp8_linear_io_cpu", _linear_out)
+def fp8_linear_io(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shift: int, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    return cpu_ext.load().fp8_linear_io(x, codes, scale, shift, bias, FP8_GEMV_MAX_ROWS)
 
 
 def _float8_cpu_applies(x, w) -> bool:
     if not w.qdata.is_contiguous():
         return False
     n, k = w.qdata.shape  # == w.shape for a contiguous (untransposed) weight; w.shape is slow
-    return (
-        x.device.type == "cpu"
-        and x.dtype in FLOATS
-        and tuple(w.block_size) in ((1, k), (n, k))
-        and cpu_ext.available()
-    )
+    return x.dtype in FLOATS and tuple(w.block_size) in ((1, k), (n, k))
 
 
-@register_kernel("linear", "Float8Tensor", "cpu_fp8_gemv", backend="cpu", priority=10, applies=_float8_cpu_applies)
+@register_kernel("linear", "Float8Tensor", "cpu_fp8_gemv", backend="cpu", priority=10, device="cpu",
+                 needs=(CPU_EXT,), when=_float8_cpu_applies)
 def float8_cpu_linear(x, w, bias):
     """Float8 weights (weight-only, or dynamic with the input fake-quantized first) in float32.
     Few rows: hf_aoq's fused kernel reads the float8 weight directly. Many rows: chunks of the
     weight dequantized exactly as the reference does (about 3x faster than torch's own float8
     upcast) and float32 GEMM, several times faster than bf16 GEMM on AVX2 CPUs."""
-    x = w.simulate_input_quantization(x)
-    shift = _FP8_SHIFT[w.qdata.dtype]
-    if not torch.compiler.is_compiling():
-        # One C++ call does the input conversion, path choice, bias and output cast as below.
-        return cpu_ext.load().fp8_linear_io(x, w.qdata, w.scale, shift, bias, FP8_GEMV_MAX_ROWS)
-    n, k = w.qdata.shape
-    x2 = x.reshape(-1, k).float().contiguous()
-    row_scale = w.scale.float().reshape(-1).expand(n).contiguous()
-    mm = fp8_linear_cpu if x2.shape[0] <= FP8_GEMV_MAX_ROWS else fp8_dequant_linear_cpu
-    y = mm(x2, w.qdata.view(torch.uint8), row_scale, shift)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return fp8_linear_io(w.simulate_input_quantization(x), w.qdata, w.scale, _FP8_SHIFT[w.qdata.dtype], bias)
 
 
 # ---------------------------------------------------------------------- Int4DQTensor
@@ -383,7 +341,7 @@ def float8_cpu_linear(x, w, bias):
 
 
 def _int4dq_packable(w) -> bool:
-    return w.shape[0] % 16 == 0 and cpu_ext.available()
+    return w.shape[0] % 16 == 0
 
 
 def pack_int4dq_for_cpu(w):
@@ -398,41 +356,22 @@ def unpack_int4dq_from_cpu(w):
 
 
 register_packing(
-    Packing("cpu_int4dq", "Int4DQTensor", "cpu", 10, _int4dq_packable, pack_int4dq_for_cpu, unpack_int4dq_from_cpu)
+    Packing("cpu_int4dq", "Int4DQTensor", "cpu", 10, _int4dq_packable, pack_int4dq_for_cpu, unpack_int4dq_from_cpu,
+            needs=(CPU_EXT,))
 )
 
 
-@torch.library.custom_op("hf_aoq::int4dq_linear_cpu", mutates_args=())
-def int4dq_linear_cpu(
-    x2: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
-    group_size: int, int16_activations: bool,
+@opaque_op("int4dq_linear_io_cpu", _linear_out)
+def int4dq_linear_io(
+    x: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+    group_size: int, k: int, bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    return cpu_ext.load().int4dq_linear(
-        x2, packed, gparams_t, rparams, tparams, group_size, INT4_GEMV_MAX_ROWS, int16_activations
-    )
+    return cpu_ext.load().int4dq_linear_io(x, packed, gparams_t, rparams, tparams, group_size, k, bias, INT4_GEMV_MAX_ROWS)
 
 
-@int4dq_linear_cpu.register_fake
-def _(x2, packed, gparams_t, rparams, tparams, group_size, int16_activations):
-    return x2.new_empty(x2.shape[0], packed.shape[0])
-
-
-def _int4dq_applies(x, w) -> bool:
-    return w.packing == "cpu_int4dq" and x.device.type == "cpu" and x.dtype in FLOATS
-
-
-@register_kernel("linear", "Int4DQTensor", "cpu_int4dq_ext", backend="cpu", priority=20, applies=_int4dq_applies)
+@register_kernel("linear", "Int4DQTensor", "cpu_int4dq_ext", backend="cpu", priority=20, reads=("cpu_int4dq",),
+                 device="cpu", needs=(CPU_EXT,), when=_float_input)
 def int4dq_ext_linear(x, w, bias):
     """As the int4 kernel: float32 compute for float32 activations, int16 activation codes for
     half-precision ones."""
-    g = w.block_size[-1]
-    if not torch.compiler.is_compiling():
-        return cpu_ext.load().int4dq_linear_io(
-            x, w.qdata, w.gparams, w.rparams, w.tparams, g, x.shape[-1], bias, INT4_GEMV_MAX_ROWS
-        )
-    n, k, padded_k = _int4_dims(w)
-    x2 = pad_input(x.reshape(-1, k).float(), padded_k).contiguous()
-    y = int4dq_linear_cpu(x2, w.qdata, w.gparams, w.rparams, w.tparams, g, x.dtype != torch.float32)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1], _in_features(w), bias)

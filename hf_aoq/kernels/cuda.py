@@ -5,27 +5,24 @@ reference kernels: every test that runs these compares them with `reference.py` 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from ..core.primitives import pack_int4, unpack_int4
-from . import Packing, register_kernel, register_packing
-from .common import int4_padded_k, pad_input, pad_int4_codes, quantize_int8_per_token, scale_and_zero
+from .common import INT4_GROUP_SIZES, int4_padded_k, pad_input, pad_int4_codes, quantize_int8_per_token, scale_and_zero
 from .nibbles import unpack_nibbles
+from .registry import Packing, capability, register_kernel, register_packing
 
 aten = torch.ops.aten
-INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
-@functools.lru_cache(maxsize=None)
-def capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _sm_at_least(version: tuple[int, int]):
+    return lambda device: torch.cuda.get_device_capability(device) >= version
 
 
-def _cap(t: torch.Tensor) -> tuple[int, int]:
-    return capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+# Compute capabilities, probed once per GPU (see registry.capable).
+SM80 = capability("cuda:sm80", "cuda", _sm_at_least((8, 0)))  # tinygemm
+SM89 = capability("cuda:sm89", "cuda", _sm_at_least((8, 9)))  # float8 _scaled_mm
 
 
 def _pad_rows(x2: torch.Tensor, multiple: int, minimum: int = 0) -> tuple[torch.Tensor, int]:
@@ -55,13 +52,7 @@ def _tinygemm_pack_fn(k: int):
 
 def _tinygemm_available(w) -> bool:
     n, k = w.shape
-    return (
-        w.device.type == "cuda"
-        and _cap(w.qdata) >= (8, 0)
-        and w.block_size[-1] in INT4_GROUP_SIZES
-        and n % 8 == 0
-        and _inner_k_tiles(int4_padded_k(w)) > 0
-    )
+    return w.block_size[-1] in INT4_GROUP_SIZES and n % 8 == 0 and _inner_k_tiles(int4_padded_k(w)) > 0
 
 
 def pack_int4_for_tinygemm(w):
@@ -81,15 +72,16 @@ def unpack_int4_from_tinygemm(w):
 
 register_packing(
     Packing("cuda_tinygemm", "Int4Tensor", "cuda", 10, _tinygemm_available, pack_int4_for_tinygemm,
-            unpack_int4_from_tinygemm)
+            unpack_int4_from_tinygemm, needs=(SM80,))
 )
 
 
-def _tinygemm_applies(x, w) -> bool:
-    return w.packing == "cuda_tinygemm" and x.is_cuda and x.dtype == torch.bfloat16
+def _bf16_input(x, w) -> bool:
+    return x.dtype == torch.bfloat16
 
 
-@register_kernel("linear", "Int4Tensor", "cuda_tinygemm", backend="cuda", priority=10, applies=_tinygemm_applies)
+@register_kernel("linear", "Int4Tensor", "cuda_tinygemm", backend="cuda", priority=10, reads=("cuda_tinygemm",),
+                 device="cuda", needs=(SM80,), when=_bf16_input)
 def int4_tinygemm_linear(x, w, bias):
     k = w.shape[1]
     sz = w.scale if w.scale.dtype == torch.bfloat16 else w.scale.to(torch.bfloat16)
@@ -103,16 +95,10 @@ def int4_tinygemm_linear(x, w, bias):
 # ---------------------------------------------------------------------- int8 dynamic (_int_mm)
 def _int_mm_applies(x, w) -> bool:
     n, k = w.shape
-    return (
-        x.is_cuda
-        and w.act_quant == "per_token"
-        and tuple(w.block_size) == (1, k)
-        and k % 8 == 0
-        and n % 8 == 0
-    )
+    return w.act_quant == "per_token" and tuple(w.block_size) == (1, k) and k % 8 == 0 and n % 8 == 0
 
 
-@register_kernel("linear", "Int8Tensor", "cuda_int_mm", backend="cuda", priority=10, applies=_int_mm_applies)
+@register_kernel("linear", "Int8Tensor", "cuda_int_mm", backend="cuda", priority=10, device="cuda", when=_int_mm_applies)
 def int8_dynamic_cuda_linear(x, w, bias):
     k = w.shape[1]
     xq, x_scale = quantize_int8_per_token(x.reshape(-1, k))
@@ -128,14 +114,15 @@ def int8_dynamic_cuda_linear(x, w, bias):
 # ---------------------------------------------------------------------- float8 dynamic (_scaled_mm)
 def _scaled_mm_applies(x, w) -> bool:
     n, k = w.shape
-    if not (x.is_cuda and w.act_quant is not None and k % 16 == 0 and n % 16 == 0):
+    if not (w.act_quant is not None and k % 16 == 0 and n % 16 == 0):
         return False
     if w.act_quant == "per_row":
-        return tuple(w.block_size) == (1, k) and x.dtype == torch.bfloat16 and _cap(x) >= (8, 9)
-    return tuple(w.block_size) == (n, k) and _cap(x) >= (8, 9)
+        return tuple(w.block_size) == (1, k) and x.dtype == torch.bfloat16
+    return tuple(w.block_size) == (n, k)
 
 
-@register_kernel("linear", "Float8Tensor", "cuda_scaled_mm", backend="cuda", priority=10, applies=_scaled_mm_applies)
+@register_kernel("linear", "Float8Tensor", "cuda_scaled_mm", backend="cuda", priority=10, device="cuda",
+                 needs=(SM89,), when=_scaled_mm_applies)
 def float8_dynamic_cuda_linear(x, w, bias):
     n, k = w.shape
     x2 = x.reshape(-1, k)

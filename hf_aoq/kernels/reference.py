@@ -1,10 +1,10 @@
-"""Reference kernels: dequantize, then the float op. Always applicable; the yardstick."""
+"""Reference kernels: dequantize, then the float op. Every type, packing and device; the yardstick."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import register_kernel
+from .registry import ANY, CANONICAL, register_kernel
 
 TYPES = ("Int4Tensor", "Int4DQTensor", "Int8Tensor", "Float8Tensor")
 
@@ -20,15 +20,6 @@ def reference_embedding(indices: torch.Tensor, weight, padding_idx=None) -> torc
     return F.embedding(indices, weight.dequantize(), padding_idx)
 
 
-for _name in TYPES:
-    register_kernel("linear", _name, "reference", backend="reference", priority=0)(reference_linear)
-    register_kernel("embedding", _name, "reference", backend="reference", priority=0)(reference_embedding)
-
-
-def _canonical(x, weight) -> bool:
-    return getattr(weight, "packing", None) is None
-
-
 def rowgather_embedding(indices: torch.Tensor, weight, padding_idx=None) -> torch.Tensor:
     """Dequantize only the looked-up rows: rows are independent in every canonical layout."""
     rows = weight.select_rows(indices.reshape(-1))
@@ -36,6 +27,8 @@ def rowgather_embedding(indices: torch.Tensor, weight, padding_idx=None) -> torc
 
 
 for _name in TYPES:
-    register_kernel("embedding", _name, "rowgather", backend="any", priority=10, applies=_canonical)(
+    register_kernel("linear", _name, "reference", backend="reference", priority=0, reads=(ANY,))(reference_linear)
+    register_kernel("embedding", _name, "reference", backend="reference", priority=0, reads=(ANY,))(reference_embedding)
+    register_kernel("embedding", _name, "rowgather", backend="any", priority=10, reads=(CANONICAL,))(
         rowgather_embedding
     )

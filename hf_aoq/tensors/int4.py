@@ -29,9 +29,9 @@ from ..core.primitives import (
     unpack_int4,
 )
 from ..core.registry import register_tensor_type
+from ..kernels.common import INT4_GROUP_SIZES as GROUP_SIZES
 from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
 
-GROUP_SIZES = (32, 64, 128, 256)
 QMIN, QMAX = 0, 15
 # How scales are chosen unless told otherwise, here and in Int4WeightOnlyConfig: "mse" is the
 # more accurate (README "4-bit quality"); "minmax" is the plain range.

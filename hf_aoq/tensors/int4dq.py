@@ -33,7 +33,7 @@ import torch
 from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
-from ..kernels import cpu_ext
+from ..kernels.search import int4dq_search
 from .common import BlockGridTensor, DevicePacked, check_built, check_weight
 
 GROUP_SIZES = (32, 64)
@@ -41,7 +41,6 @@ GROUP_SIZES = (32, 64)
 # so every implementation of the format (and the C++ kernels) has the same 32 numbers.
 LUT = torch.tensor([2.0 ** (-j / 32) for j in range(32)], dtype=torch.float32)
 D_ZERO, C_ZERO = 255, 127  # the codes of 0 (C_ZERO: in the low 7 bits, either sign)
-_SEARCH = (-1, 0, 1)  # scale and centre indices tried around the nearest ones
 
 
 @register_tensor_type
@@ -265,43 +264,8 @@ def _quantize_rows(w, g, tparams, d0, c0):
 
     a0, b0 = nearest_index(d0, dlo, dstep), nearest_index(c0, clo, cstep)
     x, mask = _padded_groups(w, g)
-    ext = cpu_ext.load() if x.device.type == "cpu" else None
-    if ext is not None:
-        # The same search in C++ (int_cpu.cpp, int4dq_search): about 10x faster than torch ops.
-        rows = torch.cat([dlo, dstep, clo, cstep], dim=1).contiguous()
-        flat = x.reshape(n, -1).contiguous()
-        q, a, b = ext.int4dq_search(flat, a0.to(torch.uint8).contiguous(), b0.to(torch.uint8).contiguous(), rows, g, k)
-    else:
-        a, b, q = _search(x, mask, a0, b0, dlo, dstep, clo, cstep)
+    a, b, q = int4dq_search(x, mask, a0, b0, dlo, dstep, clo, cstep, k)
     codes = q.reshape(n, -1)[:, :k].to(torch.uint8)
     gparams = (a.to(torch.uint8) | (b.to(torch.uint8) << 4))
     return pack_int4(codes), gparams, rparams
 
-
-def _search(x, mask, a0, b0, dlo, dstep, clo, cstep):
-    """Each group's best (a, b) among the nearest indices and their neighbours, and its codes."""
-    best = None
-    for da in _SEARCH:
-        for db in _SEARCH:
-            a, b = (a0 + da).clamp(0, 15), (b0 + db).clamp(0, 15)
-            d = dlo + a * dstep
-            c = clo + b * cstep
-            q, err = _codes_and_error(x, d, c, mask)
-            if best is None:
-                best = [a, b, q, err]
-            else:
-                better = err < best[3]
-                best = [torch.where(better, a, best[0]), torch.where(better, b, best[1]),
-                        torch.where(better[..., None], q, best[2]), torch.where(better, err, best[3])]
-    return best[0], best[1], best[2]
-
-
-def _codes_and_error(x, d, c, mask):
-    """Codes of groups x [N, G, g] on the grid (d, c) [N, G], and each group's squared error."""
-    d3, c3 = d[..., None], c[..., None]
-    safe = torch.where(d3 > 0, d3, torch.ones_like(d3))
-    q = torch.where(d3 > 0, torch.round((x - c3) / safe + 7.5), torch.full_like(x, 8.0)).clamp_(0, 15)
-    diff = ((q - 7.5) * d3 + c3 - x).square_()
-    if mask is not None:
-        diff = diff * mask
-    return q, diff.sum(-1)

@@ -5,6 +5,9 @@ Canonical layout (what is saved):
     qdata      int8 [N, K]        codes in [-127, 127]
     scale      float32 [N, K/g]   g = K for per row;  w = q * scale
     act_quant  None (weight-only) or "per_token" (activations quantized at run time)
+
+The CPU packing ("cpu_int8_aligned", made by `place()`) keeps this layout with the codes
+contiguous and 64-byte aligned, which aten's CPU int8 kernel needs.
 """
 from __future__ import annotations
 
@@ -14,17 +17,17 @@ from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, choose_qparams_affine, dequantize_affine, quantize_affine
 from ..core.registry import register_tensor_type
 from ..kernels.common import quantize_int8_per_token
-from .common import BlockGridTensor, check_built, check_grid_fields, check_layout, check_weight
+from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
 
 QMIN, QMAX = -127, 127
 ACT_QUANTS = (None, "per_token")
 
 
 @register_tensor_type
-class Int8Tensor(BlockGridTensor):
+class Int8Tensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = ("block_size", "shape", "dtype")
-    optional_tensor_attribute_names = ("act_quant",)
+    optional_tensor_attribute_names = ("act_quant", "packing")
     schema_version = 1
     transposable = True
 

@@ -2,7 +2,9 @@
 //
 // Each does the linear's input and output handling here rather than in Python, where its
 // handful of small ops cost more than a small layer's kernel at batch 1. The kernels themselves
-// are in int4.cpp, int4dq.cpp, int8.cpp and fp8.cpp (declared in hf_aoq_cpu.h).
+// are in int4.cpp, int4dq.cpp, int8.cpp and fp8.cpp (declared in hf_aoq_cpu.h). Eager calls
+// and torch.compile's graphs (as opaque ops) both come here. Row-count crossovers (gemv_max_rows)
+// are passed in from kernels/cpu.py, where each is defined; only the C++ compares rows with them.
 #include <torch/types.h>
 #include <type_traits>
 
@@ -47,7 +49,7 @@ void dispatch_float(torch::ScalarType t, F f) {
 // x of any float dtype and shape [..., k] becomes float32 [M, padded_k] (zero columns past k),
 // `core` maps that to float32 [M, n], the bias (any float dtype) is added in float32 and the
 // result returns in x's dtype as [..., n]. The numbers are those of x.float(), padding, the
-// kernel, + bias.float(), .to(dtype): what the Python composition (used under torch.compile) does.
+// kernel, + bias.float(), .to(dtype).
 template <class Core>
 torch::Tensor linear_io(const torch::Tensor& x, int64_t k, int64_t padded_k, int64_t n,
                         const c10::optional<torch::Tensor>& bias, Core core) {
