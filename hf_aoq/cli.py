@@ -47,6 +47,7 @@ EXAMPLES = """examples:
   hf-aoq push smol-int4 me/smol-int4                              push a saved folder later
   hf-aoq inspect smol-int4 --error ./float-model                   per-tensor sizes and error
   hf-aoq generate smol-int4 "The capital of France is"             text and tokens/s
+  hf-aoq export smol-int4 smol-w4a16 --format compressed-tensors   for vLLM / SGLang (bit-exact)
 
 `hf-aoq COMMAND --help` describes each command's options."""
 
@@ -84,6 +85,10 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                                                          "--scheme then covers the layers it does not name")
     p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],
                    help="modules to leave in float (names or regexes; put MODEL before this option)")
+    p.add_argument("--target", choices=["compressed-tensors"],
+                   help="make the checkpoint export losslessly to this format (`hf-aoq export`) and run on vLLM: "
+                        "int4 schemes become symmetric int4 in groups of 128 (or --group-size 32, 64), layers "
+                        "vLLM's 4-bit kernels cannot run stay in float")
     p.add_argument("--calibration", metavar="FILE",
                    help="a text file: choose int4-plain weights by GPTQ on it (slower; loads the float model first)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
@@ -140,12 +145,19 @@ def quantize_command(args) -> int:
     from .workflows import LoadOptions, build_aoq_config, parse_size, quantize_checkpoint
     from .workflows.common import log
 
-    config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
-                              args.calibration_tokens)
-    if args.max_shard_size is not None:
-        parse_size(args.max_shard_size)  # a typo is reported before anything loads
     load = LoadOptions(dtype=args.dtype, device_map=_device_map(args), revision=getattr(args, "revision", None),
                        trust_remote_code=getattr(args, "trust_remote_code", False), token=getattr(args, "token", None))
+    if getattr(args, "target", None):
+        from .workflows.target import build_target_config
+
+        config = build_target_config(args.target, args.model, args.scheme, args.group_size, recipe=args.recipe,
+                                     skip=args.skip, calibration=args.calibration,
+                                     calibration_tokens=args.calibration_tokens, load=load)
+    else:
+        config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
+                                  args.calibration_tokens)
+    if args.max_shard_size is not None:
+        parse_size(args.max_shard_size)  # a typo is reported before anything loads
     push = _push_target(args, args.push_to_hub) if args.push_to_hub else None
     result = quantize_checkpoint(args.model, config, args.out, load=load, overwrite=args.overwrite, push=push,
                                  measure=args.measure, max_shard_size=args.max_shard_size)

@@ -311,3 +311,34 @@ def test_convert_refuses_what_hf_aoq_has_no_type_for(float_dir, tmp_path):
     with pytest.raises(ExportError, match="kv_cache_scheme"):
         convert_checkpoint(out, tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+# ---------------------------------------------------------------------- quantize --target
+def test_quantize_target_compressed_tensors_exports_without_loss(tmp_path, capsys):
+    """`--scheme int4 --target compressed-tensors` makes symmetric int4 at groups of 128 and
+    keeps in float the layers vLLM's Marlin kernels cannot run (here down_proj, input 192), so
+    `export` needs no --requantize (while plain `--scheme int4`, Int4DQ, would be refused)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "float")
+    src, out = tmp_path / "aoq", tmp_path / "ct"
+    assert cli_main(["quantize", str(tmp_path / "float"), "--scheme", "int4", "--target", "compressed-tensors",
+                     "--out", str(src), "--no-measure"]) == 0
+    assert "2 linear layers stay in float" in capsys.readouterr().out
+    ours = load_checkpoint(src)
+    kinds = {n: (type(t).__name__, getattr(t, "block_size", None), getattr(t, "zero", 0) is None)
+             for n, t in ours.items() if isinstance(t, AOQTensor)}
+    assert len(kinds) == 12 and set(kinds.values()) == {("Int4Tensor", (1, 128), True)}
+    assert not any("down_proj" in n for n in kinds)
+    summary = export_checkpoint(src, out)
+    assert summary.groups == {"pack-quantized int4 group 128, weight-only": 12} and not summary.requantized
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {"model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"} <= set(qc["ignore"])
+    _, got = load(out)
+    assert torch.equal(got, float_model_with(tmp_path / "float", ours))
+    assert cli_main(["quantize", str(tmp_path / "float"), "--scheme", "int4", "--group-size", "256", "--target",
+                     "compressed-tensors", "--out", str(tmp_path / "x")]) == 2
+    assert "take groups of 32, 64, 128" in capsys.readouterr().err
