@@ -342,3 +342,26 @@ def test_quantize_target_compressed_tensors_exports_without_loss(tmp_path, capsy
     assert cli_main(["quantize", str(tmp_path / "float"), "--scheme", "int4", "--group-size", "256", "--target",
                      "compressed-tensors", "--out", str(tmp_path / "x")]) == 2
     assert "take groups of 32, 64, 128" in capsys.readouterr().err
+
+
+def test_quantized_embeddings_are_refused_or_kept_in_float(float_dir, tmp_path):
+    """compressed-tensors quantizes linear layers: a quantized embedding is refused by name, and
+    --requantize stores it dequantized (and lists it), while lm_head, a linear layer, goes."""
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "aoq"
+    config = AOQConfig(Int8WeightOnlyConfig(), include_input_output_embeddings=True)
+    AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config).save_pretrained(src)
+    ours = load_checkpoint(src)
+    assert isinstance(ours["model.embed_tokens.weight"], AOQTensor)
+    with pytest.raises(ExportError, match=r"model\.embed_tokens\.weight .*not the weight of a linear layer"):
+        export_checkpoint(src, tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
+    summary = export_checkpoint(src, tmp_path / "ct", requantize=True)
+    assert [r.split(":")[0] for r in summary.requantized] == ["model.embed_tokens.weight"]
+    assert "kept in float" in summary.requantized[0]
+    model, _ = load(tmp_path / "ct", torch.float32)
+    state = model.state_dict()
+    assert torch.equal(state["model.embed_tokens.weight"], ours["model.embed_tokens.weight"].dequantize().float())
+    if isinstance(ours.get("lm_head.weight"), AOQTensor):
+        assert torch.equal(state["lm_head.weight"], ours["lm_head.weight"].dequantize(torch.float32))

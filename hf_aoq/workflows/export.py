@@ -175,8 +175,9 @@ def export_checkpoint(src, out, *, format: str = "compressed-tensors", requantiz
             summary.plain += 1
             continue
         module = name.removesuffix(".weight")
+        is_linear = module != name and (linear is None or module in linear)
         try:
-            if module == name or (linear is not None and module not in linear):
+            if not is_linear:
                 raise ct.NotExact("not the weight of a linear layer (compressed-tensors quantizes linear layers)")
             scheme, stored = ct.export_tensor(t)
         except ct.NotExact as e:
@@ -184,7 +185,7 @@ def export_checkpoint(src, out, *, format: str = "compressed-tensors", requantiz
                 raise ExportError(f"{name} ({type(t).__name__}) cannot go to {format} exactly: {e}. Nothing was "
                                   f"written at {out}; --requantize re-quantizes such weights into the nearest "
                                   f"form (lossy)") from None
-            new, what = ct.nearest_exportable(t, name) if module != name else (None, "kept in float")
+            new, what = ct.nearest_exportable(t, name) if is_linear else (None, "kept in float (dequantized)")
             summary.requantized.append(f"{name}: {e}; {what}")
             if new is None:
                 result[name] = t.dequantize()
