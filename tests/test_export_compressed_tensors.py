@@ -365,3 +365,40 @@ def test_quantized_embeddings_are_refused_or_kept_in_float(float_dir, tmp_path):
     assert torch.equal(state["model.embed_tokens.weight"], ours["model.embed_tokens.weight"].dequantize().float())
     if isinstance(ours.get("lm_head.weight"), AOQTensor):
         assert torch.equal(state["lm_head.weight"], ours["lm_head.weight"].dequantize(torch.float32))
+
+
+def test_sharded_export_and_convert_through_the_command_line(float_dir, tmp_path, capsys):
+    src = quantized(float_dir, tmp_path, RECIPES["int4_g32"])
+    out, back = tmp_path / "ct", tmp_path / "back"
+    assert cli_main(["export", str(src), str(out), "--format", "compressed-tensors", "--max-shard-size", "100KB"]) == 0
+    assert "14 x pack-quantized int4 group 32, weight-only" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in index["weight_map"]
+    _, got = load(out)
+    ours = load_checkpoint(src)
+    assert torch.equal(got, float_model_with(float_dir, ours))
+    assert cli_main(["convert", str(out), str(back)]) == 0
+    assert "-> Int4Tensor" in capsys.readouterr().out
+    again = load_checkpoint(back)
+    for name, t in ours.items():
+        if isinstance(t, AOQTensor):
+            assert_same_tensor(t, again[name], name)
+    assert cli_main(["convert", str(out), str(back)]) == 2  # exists
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_convert_refuses_tensors_its_scheme_does_not_have(float_dir, tmp_path):
+    """A stored tensor the module's scheme has no place for (a static input scale) is refused,
+    never dropped."""
+    from safetensors.torch import load_file, save_file
+
+    src = quantized(float_dir, tmp_path, RECIPES["fp8"])
+    out = tmp_path / "ct"
+    export_checkpoint(src, out)
+    stored = load_file(out / "model.safetensors")
+    stored["model.layers.1.mlp.up_proj.input_scale"] = torch.ones(1)
+    save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ExportError, match=r"model\.layers\.1\.mlp\.up_proj: stored tensors \['input_scale'\]"):
+        convert_checkpoint(out, tmp_path / "back")
+    assert not (tmp_path / "back").exists()

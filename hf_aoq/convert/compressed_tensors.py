@@ -292,9 +292,13 @@ def import_tensor(name: str, scheme: Scheme, stored: dict[str, torch.Tensor], dt
         return t
 
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    unexpected = set(stored) - {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight"}
+    expected = {"weight_packed", "weight_scale", "weight_shape"} if scheme.format == PACKED else {"weight", "weight_scale"}
+    if not scheme.symmetric:
+        expected.add("weight_zero_point")
+    unexpected = set(stored) - expected
     if unexpected:
-        raise FormatError(f"{name}: stored tensors {sorted(unexpected)} have no hf_aoq meaning (static input scales?)")
+        raise FormatError(f"{name}: stored tensors {sorted(unexpected)} do not belong to {scheme.describe()} "
+                          f"(static input scales, g_idx, ...); hf_aoq has no type that holds them")
     if scheme.format == PACKED:
         n, k = (int(v) for v in get("weight_shape", (torch.int64, torch.int32), (2,)).tolist())
         per_word = 32 // scheme.num_bits
@@ -323,7 +327,9 @@ def import_tensor(name: str, scheme: Scheme, stored: dict[str, torch.Tensor], dt
     n, k = weight.shape
     if scheme.type == "int":
         g = k if scheme.strategy == "channel" else scheme.group_size
-        scale = get("weight_scale", floats, (n, k // g) if k % g == 0 else (-1,))
+        if k % g:
+            raise FormatError(f"{name}: input dimension {k} is not a multiple of the group size {g}")
+        scale = get("weight_scale", floats, (n, k // g))
         act = "per_token" if scheme.inputs == "token" else None
         return Int8Tensor(weight.contiguous(), scale.float().contiguous(), (1, g), (n, k), dtype, act_quant=act)
     if scheme.strategy == "tensor":
