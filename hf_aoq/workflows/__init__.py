@@ -8,6 +8,7 @@ from .export import ExportError, convert_checkpoint, convert_compressed_tensors,
 from .generation import Sampling, busy_note, demo, generate, load_for_generation
 from .hub import PushTarget, check_push_target, push_folder
 from .quantization import DTYPES, LoadOptions, build_aoq_config, load_recipe, quantize_checkpoint
+from .target import build_target_config
 
 __all__ = [
     "DTYPES",
@@ -18,6 +19,7 @@ __all__ = [
     "Sampling",
     "UsageError",
     "build_aoq_config",
+    "build_target_config",
     "busy_note",
     "check_model_source",
     "check_push_target",
