@@ -402,3 +402,14 @@ def test_convert_refuses_tensors_its_scheme_does_not_have(float_dir, tmp_path):
     with pytest.raises(ExportError, match=r"model\.layers\.1\.mlp\.up_proj: stored tensors \['input_scale'\]"):
         convert_checkpoint(out, tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+def test_fused_layers_with_different_schemes_are_noted(float_dir, tmp_path):
+    recipe = FqnToConfig({"re:.*q_proj": Int4WeightOnlyConfig(group_size=32, symmetric=True),
+                          "_default": Int8WeightOnlyConfig()})
+    summary = export_checkpoint(quantized(float_dir, tmp_path, recipe), tmp_path / "ct")
+    text = summary.format_text()
+    assert "note: model.layers.0.self_attn: q_proj, k_proj, v_proj have different schemes" in text
+    assert "mlp" not in "".join(summary.notes)
+    plain = export_checkpoint(quantized(float_dir, tmp_path / "b", RECIPES["int8"]), tmp_path / "ct2")
+    assert plain.notes == []

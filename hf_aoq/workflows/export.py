@@ -44,6 +44,7 @@ class Summary:
     plain: int = 0
     requantized: list[str] = field(default_factory=list)  # "name: what was done"
     copied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def format_text(self) -> str:
         lines = [f"{self.src} -> {self.out} ({self.format})"]
@@ -54,7 +55,24 @@ class Summary:
             lines += [f"    {r}" for r in self.requantized]
         if self.copied:
             lines.append(f"  files copied: {', '.join(self.copied)}")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+# Layers vLLM fuses into one (q/k/v, gate/up): their shards must share one scheme there.
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _fused_mismatches(schemes: dict[str, object]) -> list[str]:
+    out = []
+    for parts in _FUSED:
+        parents = {m.rpartition(".")[0] for m in schemes if m.rpartition(".")[2] in parts}
+        for parent in sorted(parents):
+            got = {p: schemes.get(f"{parent}.{p}") for p in parts if f"{parent}.{p}" in schemes}
+            if len(set(map(id, got.values()))) > 1 or len(got) not in (0, len(parts)):
+                out.append(f"{parent}: {', '.join(parts)} have different schemes (or some stay in float); vLLM "
+                           f"fuses them into one layer and refuses that")
+    return out
 
 
 # ---------------------------------------------------------------------- shared folder plumbing
@@ -199,6 +217,7 @@ def export_checkpoint(src, out, *, format: str = "compressed-tensors", requantiz
     if not groups:
         raise ExportError(f"{src}: no quantized weight to export")
     quantized = {m for ms in groups.values() for m in ms}
+    summary.notes += _fused_mismatches({m: scheme for scheme, ms in groups.items() for m in ms})
     if linear is None:  # every plain 2-D weight is taken for a linear layer's
         linear = quantized | {n.removesuffix(".weight") for n, t in result.items()
                               if n.endswith(".weight") and t.ndim == 2}
