@@ -47,6 +47,7 @@ EXAMPLES = """examples:
   hf-aoq push smol-int4 me/smol-int4                              push a saved folder later
   hf-aoq inspect smol-int4 --error ./float-model                   per-tensor sizes and error
   hf-aoq generate smol-int4 "The capital of France is"             text and tokens/s
+  hf-aoq export smol-int4 smol-w4a16 --format compressed-tensors   for vLLM / SGLang (bit-exact)
 
 `hf-aoq COMMAND --help` describes each command's options."""
 
@@ -84,6 +85,10 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                                                          "--scheme then covers the layers it does not name")
     p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],
                    help="modules to leave in float (names or regexes; put MODEL before this option)")
+    p.add_argument("--target", choices=["compressed-tensors"],
+                   help="make the checkpoint export losslessly to this format (`hf-aoq export`) and run on vLLM: "
+                        "int4 schemes become symmetric int4 in groups of 128 (or --group-size 32, 64), layers "
+                        "vLLM's 4-bit kernels cannot run stay in float")
     p.add_argument("--calibration", metavar="FILE",
                    help="a text file: choose int4-plain weights by GPTQ on it (slower; loads the float model first)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
@@ -140,12 +145,19 @@ def quantize_command(args) -> int:
     from .workflows import LoadOptions, build_aoq_config, parse_size, quantize_checkpoint
     from .workflows.common import log
 
-    config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
-                              args.calibration_tokens)
-    if args.max_shard_size is not None:
-        parse_size(args.max_shard_size)  # a typo is reported before anything loads
     load = LoadOptions(dtype=args.dtype, device_map=_device_map(args), revision=getattr(args, "revision", None),
                        trust_remote_code=getattr(args, "trust_remote_code", False), token=getattr(args, "token", None))
+    if getattr(args, "target", None):
+        from .workflows.target import build_target_config
+
+        config = build_target_config(args.target, args.model, args.scheme, args.group_size, recipe=args.recipe,
+                                     skip=args.skip, calibration=args.calibration,
+                                     calibration_tokens=args.calibration_tokens, load=load)
+    else:
+        config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
+                                  args.calibration_tokens)
+    if args.max_shard_size is not None:
+        parse_size(args.max_shard_size)  # a typo is reported before anything loads
     push = _push_target(args, args.push_to_hub) if args.push_to_hub else None
     result = quantize_checkpoint(args.model, config, args.out, load=load, overwrite=args.overwrite, push=push,
                                  measure=args.measure, max_shard_size=args.max_shard_size)
@@ -266,6 +278,27 @@ def convert_torchao_command(args) -> int:
     return 0
 
 
+def export_command(args) -> int:
+    """`hf-aoq export SRC OUT --format compressed-tensors`: hf_aoq.workflows.export_checkpoint, reported."""
+    from .workflows import export_checkpoint, parse_size
+
+    kwargs = {} if args.max_shard_size is None else {"max_shard_size": parse_size(args.max_shard_size)}
+    summary = export_checkpoint(args.src, args.out, format=args.format, requantize=args.requantize,
+                                overwrite=args.overwrite, **kwargs)
+    print(summary.format_text())
+    return 0
+
+
+def convert_command(args) -> int:
+    """`hf-aoq convert SRC OUT`: hf_aoq.workflows.convert_checkpoint (torchao or compressed-tensors), reported."""
+    from .workflows import convert_checkpoint, parse_size
+
+    kwargs = {} if args.max_shard_size is None else {"max_shard_size": parse_size(args.max_shard_size)}
+    summary = convert_checkpoint(args.src, args.out, overwrite=args.overwrite, **kwargs)
+    print(summary.format_text() if hasattr(summary, "format_text") else summary.format())
+    return 0
+
+
 def demo_command(args) -> int:
     from .workflows import busy_note, demo
 
@@ -360,6 +393,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="the torchao checkpoint folder")
     p.add_argument("dst", help="the hf_aoq checkpoint folder to write (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")
+
+    p = command("convert", "convert a torchao or compressed-tensors checkpoint to hf_aoq (detected from config.json)",
+                "Convert a checkpoint folder written by torchao's safetensors support (docs/torchao.md) or in the "
+                "compressed-tensors format (docs/compressed_tensors.md; what `hf-aoq export` writes) into an hf_aoq "
+                "checkpoint, exactly; neither library need be installed. What cannot be held exactly is refused, "
+                "naming the tensor, and nothing is written.",
+                "examples:\n  hf-aoq convert ./llama-w4a16 ./llama-aoq\n  hf-aoq convert ./llama-torchao-int4 ./llama-aoq",
+                convert_command)
+    p.add_argument("src", help="the checkpoint folder (torchao or compressed-tensors)")
+    p.add_argument("out", help="the hf_aoq checkpoint folder to write (must not exist)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")
+
+    p = command("export", "export an hf_aoq checkpoint to compressed-tensors (vLLM, SGLang), bit-exactly",
+                "Write an hf_aoq checkpoint folder in another format that serving engines load. Every weight goes "
+                "bit-exactly (docs/compressed_tensors.md has the mapping); a weight the format cannot hold "
+                "(Int4DQ, the 4-bit default; a partial last group; float8 e5m2; ...) stops the export with "
+                "exit code 2, naming it, and nothing is written, unless --requantize.",
+                "examples:\n  hf-aoq quantize ./model --scheme int4 --target compressed-tensors --out m-aoq\n"
+                "  hf-aoq export m-aoq m-w4a16 --format compressed-tensors\n  vllm serve m-w4a16",
+                export_command)
+    p.add_argument("src", help="the hf_aoq checkpoint folder")
+    p.add_argument("out", help="the folder to write (must not exist)")
+    p.add_argument("--format", required=True, choices=["compressed-tensors"], help="the target format")
+    p.add_argument("--requantize", action="store_true",
+                   help="re-quantize weights that have no exact form into the nearest one (lossy; listed in the "
+                        "output and the model card) instead of refusing")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")
 
     p = command("demo", "quantize SmolLM2-135M to int4, save, reload, generate; compare with bf16",

@@ -320,6 +320,49 @@ def write_model_card(
     return path
 
 
+# ---------------------------------------------------------------------- exported folders
+# How each engine loads a compressed-tensors folder ({path}: the folder or its Hub id).
+ENGINES = {
+    "compressed-tensors": (
+        ("transformers (`pip install compressed-tensors`; no hf_aoq needed)", "python",
+         "from transformers import AutoModelForCausalLM\n\nmodel = AutoModelForCausalLM.from_pretrained(\"{path}\")"),
+        ("vLLM", "bash", "vllm serve {path}"),
+        ("SGLang", "bash", "python -m sglang.launch_server --model-path {path}"),
+    ),
+}
+
+
+def write_export_card(directory, *, format: str, base_model: str | None, groups: Mapping[str, int],
+                      requantized: list[str], load_name: str) -> Path:
+    """README.md of a folder exported to another format (hf_aoq.workflows.export): what the
+    weights are stored as, which weights were re-quantized (not exact), and the command each
+    engine loads it with. It is not an hf_aoq checkpoint, so it gets no hf_aoq section."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(library_name="transformers", base_model=base_model,
+                         tags=["hf_aoq", "quantized", format])
+    rows = "\n".join(f"| {_cell(what)} | {n} |" for what, n in sorted(groups.items()))
+    if requantized:
+        exact = ("These weights had no exact form and were **re-quantized** from their dequantized values "
+                 "(`--requantize`); they differ from the hf_aoq checkpoint:\n\n"
+                 + "\n".join(f"- `{_cell(r)}`" for r in requantized))
+    else:
+        exact = "Every weight is bit-exactly the hf_aoq checkpoint's (same codes and scales)."
+    engines = "\n\n".join(f"{name}:\n\n```{lang}\n{code.format(path=load_name)}\n```" for name, lang, code in ENGINES[format])
+    text = (f"---\n{data.to_yaml()}\n---\n\n# {Path(load_name).name} ({format})\n\n"
+            f"Exported by [hf_aoq](https://pypi.org/project/hf_aoq/) {__version__} from an hf_aoq checkpoint"
+            f"{f' of `{base_model}`' if base_model else ''} to the {format} format.\n\n"
+            f"| stored as | weights |\n| --- | --- |\n{rows}\n\n{exact}\n\n## How to load\n\n{engines}\n\n"
+            f"vLLM picks a kernel per layer when it loads: its 4-bit (W4A16, Marlin) kernels want each layer's input "
+            f"size (per tensor-parallel shard) to be a multiple of 128 and its output size a multiple of 64; "
+            f"`hf-aoq quantize --target compressed-tensors` makes such checkpoints. `hf-aoq convert` turns this "
+            f"folder back into an hf_aoq checkpoint.\n")
+    ModelCard(text)  # the front matter parses
+    path = Path(directory) / CARD_NAME
+    write_atomic(path, text)
+    return path
+
+
 # ---------------------------------------------------------------------- the save and push hooks
 QUALITY_ATTR = "_hf_aoq_card_quality"
 _HOOKED_ATTR = "_hf_aoq_card_hooks"

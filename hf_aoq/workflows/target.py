@@ -1,0 +1,66 @@
+"""`hf-aoq quantize --target compressed-tensors`: the AOQConfig whose checkpoint exports to
+compressed-tensors losslessly by construction and runs on vLLM's kernels.
+
+4-bit schemes become symmetric Int4 (compressed-tensors' zero points are integers, hf_aoq's
+asymmetric zeros are not) at a group size vLLM's Marlin kernels take (128 unless --group-size
+32 or 64), and a linear layer Marlin cannot run (input size not a multiple of 128, output size
+not a multiple of 64) is left in float and listed, so the export never needs --requantize. The
+layer shapes come from the model's config.json, built on the meta device (no weights loaded).
+"""
+from __future__ import annotations
+
+from .common import UsageError, log
+
+TARGETS = ("compressed-tensors",)
+MARLIN_GROUP_SIZES = (32, 64, 128)
+MARLIN_K, MARLIN_N = 128, 64  # what vLLM's Marlin kernels need of in_features / out_features
+
+
+def linear_shapes(model: str, *, revision=None, token=None, trust_remote_code=False) -> dict[str, tuple[int, int]]:
+    """{module name: (out_features, in_features)} of every nn.Linear of `model` (a folder or Hub
+    id), from its config alone."""
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model, revision=revision, token=token, trust_remote_code=trust_remote_code)
+        config.quantization_config = None
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise UsageError(f"--target: cannot build {model} from its config.json to see its layer shapes "
+                         f"({type(e).__name__}: {e})") from None
+    return {name: (m.out_features, m.in_features) for name, m in meta.named_modules() if isinstance(m, nn.Linear)}
+
+
+def build_target_config(target: str, model: str, scheme: str | None, group_size: int | None, *, recipe=None,
+                        skip=None, calibration=None, calibration_tokens: int = 2048, load=None):
+    """The AOQConfig of `hf-aoq quantize --scheme SCHEME --target TARGET` (see the module
+    docstring); `load` (LoadOptions) says how to reach the model's config."""
+    from ..configs import FqnToConfig, Int4WeightOnlyConfig
+    from .quantization import build_aoq_config
+
+    if target not in TARGETS:
+        raise UsageError(f"--target {target}: not one of {', '.join(TARGETS)}")
+    if recipe is not None:
+        raise UsageError("--target chooses every layer's config itself; give --scheme (and --skip), not --recipe")
+    if scheme is None:
+        raise UsageError("--target needs --scheme int4, int4-plain, int8, int8-dyn, fp8 or fp8-dyn")
+    if scheme not in ("int4", "int4-plain"):
+        return build_aoq_config(scheme, group_size, None, skip, calibration, calibration_tokens)
+    g = 128 if group_size is None else group_size
+    if g not in MARLIN_GROUP_SIZES:
+        raise UsageError(f"--target {target} --scheme {scheme}: --group-size {group_size}; vLLM's 4-bit kernels "
+                         f"take groups of {', '.join(map(str, MARLIN_GROUP_SIZES))}")
+    default = Int4WeightOnlyConfig(group_size=g, symmetric=True)
+    opts = load.kwargs() if load is not None else {}
+    shapes = linear_shapes(model, revision=opts.get("revision"), token=opts.get("token"),
+                           trust_remote_code=opts.get("trust_remote_code", False))
+    misfits = {name: None for name, (n, k) in shapes.items() if k % MARLIN_K or k % g or n % MARLIN_N}
+    if misfits:
+        log(f"--target {target}: {len(misfits)} linear layers stay in float (vLLM's 4-bit kernels need an input "
+            f"size that is a multiple of {MARLIN_K} and an output size that is a multiple of {MARLIN_N}): "
+            f"{', '.join(sorted(misfits))}")
+    return build_aoq_config(None, None, FqnToConfig({**misfits, "_default": default}), skip, calibration,
+                            calibration_tokens)
