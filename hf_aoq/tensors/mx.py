@@ -123,7 +123,7 @@ def mx_dequantize(
     values = decode_e2m1(unpack_int4(qdata)) if elem_dtype == FP4 else qdata.to(torch.float32)
     k = values.shape[-1]
     w = _blocks(values) * e8m0_to_float(scale)[..., None]
-    return w.reshape(*values.shape[:-1], -1)[..., :k].to(out_dtype)
+    return w.reshape(*values.shape[:-1], -1)[..., :k].to(out_dtype).contiguous()
 
 
 # ---------------------------------------------------------------------- the tensor type
