@@ -382,6 +382,15 @@ def test_quantize_save_reload_and_compile(scheme, tmp_path):
     assert torch.equal(compiled(x), eager)  # the same reference kernel, traced
 
 
+def test_fqn_to_config_mixes_mx_with_other_schemes():
+    m = tiny_mlp()
+    recipe = FqnToConfig({"0": MXDynamicActivationMXWeightConfig(weight_dtype=E5M2, activation_dtype=E5M2),
+                          "_default": hf_aoq.Int8WeightOnlyConfig()})
+    quantize_(m, recipe)
+    assert isinstance(m[0].weight, MXTensor) and m[0].weight.elem_dtype == E5M2 and m[0].weight.act_dtype == E5M2
+    assert isinstance(m[2].weight, hf_aoq.Int8Tensor)
+
+
 def test_embedding_rows_and_slices():
     w = torch.randn(10, 64)
     t = MXTensor.from_float(w, FP4)
