@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import serialization
+from . import tensors  # noqa: F401  (registers the tensor types a checkpoint may name; `hf-aoq` imports no more)
 from .core import registry
 from .core.errors import AOQError, FormatError
 
@@ -88,12 +89,16 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
     )
     if kind == "fp8" and "qdata" in field_dtypes:
         kind = f"fp8 {short_dtype(field_dtypes['qdata'])}"
+    if entry.type_name == "MXTensor" and isinstance(attrs.get("elem_dtype"), torch.dtype):
+        kind = f"mx {short_dtype(attrs['elem_dtype'])}"
     parts = [kind, grain]
     if entry.type_name == "Int4Tensor":
         parts.append("asym" if "zero" in entry.keys else "sym")
     act = attrs.get("act_quant")
     if act:
         parts.append(f"dyn-act {act}")
+    if entry.type_name == "MXTensor" and isinstance(attrs.get("act_dtype"), torch.dtype):
+        parts.append(f"dyn-act mx {short_dtype(attrs['act_dtype'])}")
     return " ".join(p for p in parts if p)
 
 

@@ -24,10 +24,14 @@ SCHEMES = {
                 "bits/weight, integer matmuls",
     "fp8": "float8 e4m3 weights, a scale per row: 8.0 bits/weight",
     "fp8-dyn": "float8 weights, and activations quantized to float8 per token as the model runs: 8.0 bits/weight",
+    "mxfp8": "OCP MX: float8 e4m3 weights with a power-of-two (e8m0) scale per block of 32 along the input, "
+             "and activations quantized the same way as the model runs: 8.25 bits/weight",
+    "mxfp4": "OCP MX: float4 e2m1 weights (two per byte) with an e8m0 scale per block of 32, activations "
+             "quantized to MXFP8 e4m3 as the model runs: 4.25 bits/weight",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())
-_WEIGHT_ONLY = textwrap.fill("All but the -dyn schemes are weight-only: weights are stored quantized and "
+_WEIGHT_ONLY = textwrap.fill("All but the -dyn and mx schemes are weight-only: weights are stored quantized and "
                              "dequantized inside the kernels, activations stay in bf16/fp32. One rule: --scheme "
                              "names one tensor type, and --group-size only changes that type's group size, never "
                              "the type.", 96)

@@ -28,8 +28,8 @@ from .core.errors import AOQError, FormatError
 from .core.granularity import PerRow, PerTensor
 from .core.primitives import FLOAT8_DTYPES, QPARAM_METHODS
 from .core.registry import CONFIG_TYPES, config_type, dtype_from_name, dtype_name, register_config_type
-from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
-from .tensors import int4dq
+from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor
+from .tensors import int4dq, mx
 from .tensors.int4 import DEFAULT_QPARAMS, GROUP_SIZES
 
 
@@ -158,6 +158,42 @@ class Float8DynamicActivationFloat8WeightConfig(AOQBaseConfig):
         return Float8Tensor.from_float(
             weight, self.weight_dtype, self.granularity, act_quant=act, act_dtype=self.activation_dtype, name=name
         )
+
+
+def _check_mx_dtype(owner: str, name: str, dtype, allowed: tuple) -> None:
+    if dtype not in allowed:
+        names = ", ".join("None" if d is None else str(d) for d in allowed)
+        raise AOQError(f"{owner}.{name} must be one of {names}; got {dtype!r}")
+
+
+@register_config_type
+@dataclass(frozen=True)
+class MXFPInferenceConfig(AOQBaseConfig):
+    """OCP Microscaling (MX v1.0) weights (MXTensor): 32-element blocks along K sharing a
+    power-of-two e8m0 scale; elements float8_e4m3fn or float8_e5m2 (MXFP8) or
+    float4_e2m1fn_x2 (MXFP4). Activations are quantized at run time in the same blocks, to
+    `activation_dtype`; None (an hf_aoq addition to torchao's config) keeps them as they are
+    (weight-only, as transformers' Mxfp4 models run). `block_size` must be 32."""
+
+    activation_dtype: torch.dtype | None = torch.float8_e4m3fn
+    weight_dtype: torch.dtype = torch.float8_e4m3fn
+    block_size: int = mx.BLOCK_SIZE
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _check_mx_dtype(owner, "weight_dtype", self.weight_dtype, mx.ELEM_DTYPES)
+        _check_mx_dtype(owner, "activation_dtype", self.activation_dtype, (None,) + mx.ELEM_DTYPES)
+        if self.block_size != mx.BLOCK_SIZE or type(self.block_size) is not int:
+            raise AOQError(f"{owner}.block_size must be {mx.BLOCK_SIZE} (the only MX block size), got {self.block_size!r}")
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return MXTensor.from_float(weight, self.weight_dtype, self.activation_dtype, self.block_size, name=name)
+
+
+@register_config_type
+@dataclass(frozen=True)
+class MXDynamicActivationMXWeightConfig(MXFPInferenceConfig):
+    """torchao's newer name for MXFPInferenceConfig: the same fields and the same MXTensor."""
 
 
 @dataclass
@@ -364,7 +400,7 @@ def recipe_from_dict(data: Any, *, where: str = "recipe") -> "AOQBaseConfig | Fq
 
 # ---------------------------------------------------------------------- schemes by name
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
-SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn")
+SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4")
 
 
 def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConfig:
@@ -373,7 +409,8 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     32, or 64, with 4-bit group parameters: about the size of plain int4 in groups of 128 and far
     more accurate); int4-plain is Int4WeightOnlyConfig (a float scale and zero per group of 128,
     or 32, 64, 256; what GPTQ calibration chooses); int8 (per row, or groups of `group_size`),
-    int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups)."""
+    int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups); mxfp8 and mxfp4 are MXFPInferenceConfig
+    with e4m3 or e2m1 weights and e4m3 activations, both in MX blocks of 32 (their only size)."""
     if scheme == "int4":
         return Int4DQWeightOnlyConfig() if group_size is None else Int4DQWeightOnlyConfig(group_size=group_size)
     if scheme == "int4-plain":
@@ -382,6 +419,11 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
         return Int8WeightOnlyConfig(group_size=group_size)
     if scheme not in SCHEMES:
         raise AOQError(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+    if scheme in ("mxfp8", "mxfp4"):
+        if group_size not in (None, mx.BLOCK_SIZE):
+            raise AOQError(f"scheme {scheme} has MX blocks of {mx.BLOCK_SIZE} only, got group size {group_size}")
+        weight = torch.float8_e4m3fn if scheme == "mxfp8" else mx.FP4
+        return MXFPInferenceConfig(activation_dtype=torch.float8_e4m3fn, weight_dtype=weight)
     if group_size is not None:
         raise AOQError(f"scheme {scheme} has no group size (it is per row); drop the group size or use int4/int8")
     return {

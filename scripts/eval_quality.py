@@ -67,6 +67,12 @@ def hf_aoq_options(calibration):
     yield "hf_aoq int4 g128 mse, down_proj only (torchao's coverage)", lambda m: hf_aoq.quantize_(
         m, hf_aoq.FqnToConfig({"re:.*down_proj": I4(128)}), not_lm_head
     )
+    MX, FP4, E4M3 = hf_aoq.MXFPInferenceConfig, torch.float4_e2m1fn_x2, torch.float8_e4m3fn
+    yield "hf_aoq mxfp8 (e4m3 weights and activations)", lambda m: hf_aoq.quantize_(m, MX(), not_lm_head)
+    yield "hf_aoq mxfp4 (e2m1 weights, e4m3 activations)", lambda m: hf_aoq.quantize_(
+        m, MX(activation_dtype=E4M3, weight_dtype=FP4), not_lm_head
+    )
+    yield "hf_aoq mxfp4 weight-only", lambda m: hf_aoq.quantize_(m, MX(activation_dtype=None, weight_dtype=FP4), not_lm_head)
     for qparams in ("minmax", "mse"):
         yield f"hf_aoq int4 g128 {qparams} + calibration (GPTQ)", lambda m, q=qparams: quantize_with_calibration(
             m, I4(128, qparams=q), calibration, filter_fn=not_lm_head

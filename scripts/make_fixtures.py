@@ -8,6 +8,7 @@ new capability of a type, adds a generation to `GENERATIONS` below.
     manifest.json                 format version 1, schema version 1 of every type
     manifest.partial_groups.json  Int4Tensor with a partial last group (K not a multiple of g)
     manifest.int4dq.json          Int4DQTensor (new type), schema version 1
+    manifest.mx.json              MXTensor (new type: OCP MXFP8 / MXFP4), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, PerRow, PerTensor  # noqa: E402
+from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, PerRow, PerTensor  # noqa: E402
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
 
@@ -131,10 +132,35 @@ def state_dicts_int4dq() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_mx() -> dict[str, dict[str, torch.Tensor]]:
+    fp4 = torch.float4_e2m1fn_x2
+    special = torch.cat([torch.zeros(1, 64), torch.full((1, 64), -0.0), weight(31, 6, 64, F32) * 1e-30,
+                         weight(32, 8, 64, F32) * 1e4]).to(F32)
+    return {
+        "v1_mx": {
+            # MXFP8, weight-only, both element formats; a partial last block (80 = 2 x 32 + 16).
+            "e4m3_k64_bf16": MXTensor.from_float(weight(26, 16, 64, BF16), E4M3),
+            "e5m2_k80_f32": MXTensor.from_float(weight(27, 8, 80, F32), E5M2),
+            # MXFP4 at SmolLM2's hidden size (18 blocks), and a partial block of 2 (K = 66).
+            "e2m1_k576_bf16": MXTensor.from_float(weight(28, 16, 576, BF16), fp4),
+            "e2m1_k66_f16": MXTensor.from_float(weight(29, 8, 66, F16), fp4),
+            # Dynamic MX activations: the schemes mxfp8 and mxfp4, and e5m2 / e2m1 activations.
+            "mxfp8_dyn_e4m3_bf16": MXTensor.from_float(weight(30, 16, 64, BF16), E4M3, act_dtype=E4M3),
+            "mxfp4_dyn_e4m3_bf16": MXTensor.from_float(weight(33, 16, 128, BF16), fp4, act_dtype=E4M3),
+            "e4m3_dyn_e5m2_f32": MXTensor.from_float(weight(34, 8, 64, F32), E4M3, act_dtype=E5M2),
+            "e2m1_dyn_e2m1_bf16": MXTensor.from_float(weight(35, 8, 64, BF16), fp4, act_dtype=fp4),
+            # Zero blocks of both signs, blocks whose scale clamps at 2^-127, large ones.
+            "e2m1_special_f32": MXTensor.from_float(special, fp4),
+            "e4m3_special_f32": MXTensor.from_float(special, E4M3),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
     "manifest.int4dq.json": state_dicts_int4dq,
+    "manifest.mx.json": state_dicts_mx,
 }
 
 

@@ -45,7 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_aoq
 from hf_aoq import cli, workflows
-from hf_aoq.configs import SCHEMES, config_for_scheme, recipe_to_dict
+from hf_aoq.configs import SCHEMES, MXFPInferenceConfig, config_for_scheme, recipe_to_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("no_network")  # the tests below must not need the internet
@@ -84,6 +84,8 @@ def test_each_scheme_name_builds_its_config(scheme):
         "int8-dyn": hf_aoq.Int8DynamicActivationInt8WeightConfig(),
         "fp8": hf_aoq.Float8WeightOnlyConfig(),
         "fp8-dyn": hf_aoq.Float8DynamicActivationFloat8WeightConfig(),
+        "mxfp8": MXFPInferenceConfig(),
+        "mxfp4": MXFPInferenceConfig(weight_dtype=torch.float4_e2m1fn_x2),
     }[scheme]
     assert cfg == expected
     assert workflows.build_aoq_config(scheme).quant_type == expected

@@ -38,6 +38,8 @@ TABLE = [
     ("embedding", "Int8Tensor", "canonical", "reference"),
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "rowgather"),
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "reference"),
+    ("embedding", "MXTensor", "canonical", "rowgather"),
+    ("embedding", "MXTensor", "canonical", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm"),
     ("linear", "Float8Tensor", "canonical", "reference"),
@@ -57,6 +59,7 @@ TABLE = [
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_ext"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8pack_mm"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "reference"),
+    ("linear", "MXTensor", "canonical", "reference"),
 ]
 
 

@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor
+from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor, MXTensor
 from hf_aoq import serialization as S
 from hf_aoq.core import registry
 
@@ -53,7 +53,7 @@ def read_fixture(file: str) -> dict[str, torch.Tensor]:
 def test_fixtures_are_never_regenerated():
     """If this fails, a fixture was rewritten: restore it from version control. New formats and
     schemas get new fixtures next to these; see docs/format.md."""
-    assert sorted(MANIFESTS) == ["manifest.int4dq.json", "manifest.json", "manifest.partial_groups.json"]
+    assert sorted(MANIFESTS) == ["manifest.int4dq.json", "manifest.json", "manifest.mx.json", "manifest.partial_groups.json"]
     for file, info in MANIFEST["files"].items():
         for name, digest in ((file, info["sha256"]), (info["expected"], info["expected_sha256"])):
             assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == digest, name
@@ -144,7 +144,7 @@ def later_release(base: type[AOQTensor]) -> type[AOQTensor]:
     )
 
 
-@pytest.fixture(params=[Int4Tensor, Int8Tensor, Float8Tensor], ids=lambda c: c.__name__)
+@pytest.fixture(params=[Int4Tensor, Int8Tensor, Float8Tensor, MXTensor], ids=lambda c: c.__name__)
 def grown(request, monkeypatch):
     base = request.param
     cls = later_release(base)

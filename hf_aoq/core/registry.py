@@ -16,8 +16,9 @@ TENSOR_TYPES: dict[str, type] = {}
 CONFIG_TYPES: dict[str, type] = {}
 
 # The one table of dtype names: each torch dtype hf_aoq stores, its name in hf_aoq metadata (None:
-# metadata may not name it), its name in safetensors headers, and the short name reports print.
-_DTYPE_TABLE: tuple[tuple[torch.dtype, str | None, str, str], ...] = (
+# metadata may not name it), its name in safetensors headers (None: no tensor is stored in it), and
+# the short name reports print.
+_DTYPE_TABLE: tuple[tuple[torch.dtype, str | None, str | None, str], ...] = (
     (torch.float32, "float32", "F32", "fp32"),
     (torch.float16, "float16", "F16", "fp16"),
     (torch.bfloat16, "bfloat16", "BF16", "bf16"),
@@ -31,6 +32,9 @@ _DTYPE_TABLE: tuple[tuple[torch.dtype, str | None, str, str], ...] = (
     (torch.int64, "int64", "I64", "int64"),
     (torch.bool, "bool", "BOOL", "bool"),
     (torch.complex64, None, "C64", "complex64"),
+    # MXTensor's element formats name it (attributes and config JSON); its bytes are stored as U8
+    # (safetensors' F4 counts elements, not bytes, so it is not this dtype).
+    (torch.float4_e2m1fn_x2, "float4_e2m1fn_x2", None, "e2m1"),
 ) + tuple(
     (getattr(torch, name), None, st, name)
     for name, st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"))
@@ -38,7 +42,7 @@ _DTYPE_TABLE: tuple[tuple[torch.dtype, str | None, str, str], ...] = (
 )
 DTYPES: dict[str, torch.dtype] = {name: d for d, name, _, _ in _DTYPE_TABLE if name is not None}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {st: d for d, _, st, _ in _DTYPE_TABLE}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {st: d for d, _, st, _ in _DTYPE_TABLE if st is not None}
 SHORT_DTYPE_NAMES: dict[torch.dtype, str] = {d: short for d, _, _, short in _DTYPE_TABLE}
 
 # Enum-like string attributes of tensor types: "TypeName.attribute" -> the values metadata may
