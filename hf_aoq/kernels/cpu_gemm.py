@@ -1,0 +1,127 @@
+"""Many-row CPU linears for half-precision activations where the CPU has a fast bf16 GEMM (AMX-BF16 or
+AVX512-BF16): the weight is dequantized into the activation dtype by hf_aoq's C++ code, then aten's
+GEMM (oneDNN, which reaches AMX) multiplies.
+
+The numbers are the reference kernel's, bit for bit: the reference dequantizes in float32, rounds
+once to the activation dtype and calls F.linear; the C++ `*_dequantize` functions produce the same
+weight bits (tests/test_cpu_isa.py checks equality), and the same F.linear call follows.
+
+Measured on a 2-vCPU Xeon with AMX (scripts/bench_kernels.py, 2048x5632, bf16, 256 rows): dense
+bf16 3.5 ms, hf_aoq's int16-code int4 kernel 27 ms, float32 dequantize + GEMM 17-19 ms for int8
+and float8; dequantize to bf16 + aten's GEMM is in README's CPU kernel section. Below
+`MIN_ROWS[isa]` rows the weight-streaming kernels of cpu.py win (decode is bandwidth: reading a
+whole bf16 copy of the weight costs more than the int kernels' pass over the codes)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_ext, cpu_isa
+from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features, _per_row
+from .registry import capability, opaque_op, register_kernel
+
+# bfloat16 only: float16 GEMMs have no AMX here (AMX-FP16 is a later CPU), and measured slower than
+# float32 ones (2048x5632, 256 rows: dense fp16 0.90x dense fp32 time, 4.0x dense bf16).
+HALF = (torch.bfloat16,)
+
+# The instruction set of aten's bf16 GEMM here (cpu_isa.bf16_gemm_isa); a capability per set so
+# that the table and torch.compile's cache key say which.
+_BF16_GEMM = {isa: capability(f"cpu:bf16_gemm_{isa}", "cpu", lambda device, isa=isa: cpu_isa.bf16_gemm_isa() == isa)
+              for isa in ("amx", "avx512_bf16")}
+
+# Fewest activation rows at which dequantize + GEMM beats the weight-streaming kernels, per ISA and
+# format; measured (ratios within rounds, 2048x5632 and 5632x2048, bf16) on a busy 2-vCPU Xeon with
+# AMX: int4 (int16-code kernel) new/old 1.1-1.2 at 32-48 rows, 0.8-0.9 at 64, 0.5 at 128; int8 and
+# float8 (float32 dequantize + GEMM above their GEMVs' 8 and 16 rows) 1.5-1.8 at 8 rows, 0.6-0.8
+# at 16, 0.5 at 128. avx512_bf16 (oneDNN limited with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16): see
+# README's CPU kernel section.
+MIN_ROWS = {
+    "amx": {"int4": 64, "int8": 16, "fp8": 16},
+    "avx512_bf16": {"int4": 128, "int8": 32, "fp8": 32},
+}
+
+
+def _rows(x) -> int:
+    k = x.shape[-1]
+    return x.numel() // k if k else 0
+
+
+def _many_half_rows(isa, fmt):
+    def when(x, w) -> bool:
+        return x.dtype in HALF and _rows(x) >= MIN_ROWS[isa][fmt]
+    return when
+
+
+def _weight_fake(*args):
+    # Every *_dequantize op's fake: [N, k] in the requested dtype (the last two arguments).
+    packed, k, dtype = args[0], args[-2], args[-1]
+    return packed.new_empty((packed.shape[0], k), dtype=dtype)
+
+
+@opaque_op("int4_dequantize_cpu", _weight_fake)
+def int4_dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int, k: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    return cpu_ext.load().int4pack_dequantize(packed, scale_zero, group_size, k, dtype)
+
+
+@opaque_op("int4dq_dequantize_cpu", _weight_fake)
+def int4dq_dequantize(packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+                      group_size: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return cpu_ext.load().int4dq_dequantize(packed, gparams_t, rparams, tparams, group_size, k, dtype)
+
+
+@opaque_op("int8_dequantize_cpu", _weight_fake)
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return cpu_ext.load().int8_dequantize(q, scale, dtype)
+
+
+@opaque_op("fp8_dequantize_cpu", _weight_fake)
+def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor, shift: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return cpu_ext.load().fp8_dequantize(codes, scale, shift, dtype)
+
+
+def _linear(x, weight, bias):
+    # The reference's call: F.linear in x's dtype, the bias cast to it.
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def _int4(x, w, bias):
+    return _linear(x, int4_dequantize(w.qdata, w.scale, w.block_size[-1], _in_features(w), x.dtype), bias)
+
+
+def _int4dq(x, w, bias):
+    weight = int4dq_dequantize(w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1], _in_features(w), x.dtype)
+    return _linear(x, weight, bias)
+
+
+def _int8(x, w, bias):
+    x = w.simulate_input_quantization(x)
+    return _linear(x, int8_dequantize(w.qdata, w.scale, w.qdata.shape[1], x.dtype), bias)
+
+
+def _fp8(x, w, bias):
+    x = w.simulate_input_quantization(x)
+    codes = w.qdata
+    scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
+    return _linear(x, fp8_dequantize(codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype], codes.shape[1], x.dtype),
+                   bias)
+
+
+def _contiguous(*tensors) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+for _isa, _cap in _BF16_GEMM.items():
+    _needs = (CPU_EXT, _cap)
+    _int4_rows, _int8_rows, _fp8_rows = (_many_half_rows(_isa, f) for f in ("int4", "int8", "fp8"))
+    register_kernel("linear", "Int4Tensor", f"cpu_int4_{_isa}_gemm", backend="cpu", priority=30,
+                    reads=("cpu_int4_pairs",), device="cpu", needs=_needs,
+                    when=lambda x, w, many=_int4_rows: many(x, w) and _contiguous(w.qdata, w.scale))(_int4)
+    register_kernel("linear", "Int4DQTensor", f"cpu_int4dq_{_isa}_gemm", backend="cpu", priority=30,
+                    reads=("cpu_int4dq",), device="cpu", needs=_needs,
+                    when=lambda x, w, many=_int4_rows: many(x, w) and _contiguous(w.qdata, w.gparams))(_int4dq)
+    register_kernel("linear", "Int8Tensor", f"cpu_int8_{_isa}_gemm", backend="cpu", priority=30, device="cpu",
+                    needs=_needs,
+                    when=lambda x, w, many=_int8_rows: many(x, w) and _per_row(w) and w.qdata.is_contiguous())(_int8)
+    register_kernel("linear", "Float8Tensor", f"cpu_fp8_{_isa}_gemm", backend="cpu", priority=20, device="cpu",
+                    needs=_needs, when=lambda x, w, many=_fp8_rows: many(x, w) and _float8_cpu_applies(x, w))(_fp8)
