@@ -1,5 +1,4 @@
-"""Many-row CPU linears for half-precision activations where the CPU has a fast bf16 GEMM (AMX-BF16 or
-AVX512-BF16): the weight is dequantized into the activation dtype by hf_aoq's C++ code, then aten's
+"""Many-row CPU linears for bf16 activations where aten's bf16 GEMM runs on AMX: the weight is dequantized into the activation dtype by hf_aoq's C++ code, then aten's
 GEMM (oneDNN, which reaches AMX) multiplies.
 
 The numbers are the reference kernel's, bit for bit: the reference dequantizes in float32, rounds
@@ -24,21 +23,18 @@ from .registry import capability, opaque_op, register_kernel
 # float32 ones (2048x5632, 256 rows: dense fp16 0.90x dense fp32 time, 4.0x dense bf16).
 HALF = (torch.bfloat16,)
 
-# The instruction set of aten's bf16 GEMM here (cpu_isa.bf16_gemm_isa); a capability per set so
-# that the table and torch.compile's cache key say which.
-_BF16_GEMM = {isa: capability(f"cpu:bf16_gemm_{isa}", "cpu", lambda device, isa=isa: cpu_isa.bf16_gemm_isa() == isa)
-              for isa in ("amx", "avx512_bf16")}
+# Only where aten's bf16 GEMM runs on AMX: with oneDNN held to AVX512-BF16 on the same machine
+# (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16), dequantize + GEMM lost at every row count measured
+# (2048x5632, 16-128 rows: int4 1.6-5.5x the int16-code kernel's time, int8 and float8 1.2-1.5x
+# their float32 paths), so no AVX512-BF16 rows.
+BF16_GEMM_AMX = capability("cpu:bf16_gemm_amx", "cpu", lambda device: cpu_isa.bf16_gemm_isa() == "amx")
 
-# Fewest activation rows at which dequantize + GEMM beats the weight-streaming kernels, per ISA and
-# format; measured (ratios within rounds, 2048x5632 and 5632x2048, bf16) on a busy 2-vCPU Xeon with
-# AMX: int4 (int16-code kernel) new/old 1.1-1.2 at 32-48 rows, 0.8-0.9 at 64, 0.5 at 128; int8 and
-# float8 (float32 dequantize + GEMM above their GEMVs' 8 and 16 rows) 1.5-1.8 at 8 rows, 0.6-0.8
-# at 16, 0.5 at 128. avx512_bf16 (oneDNN limited with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16): see
-# README's CPU kernel section.
-MIN_ROWS = {
-    "amx": {"int4": 64, "int8": 16, "fp8": 16},
-    "avx512_bf16": {"int4": 128, "int8": 32, "fp8": 32},
-}
+# Fewest activation rows at which dequantize + GEMM beats the weight-streaming kernels, per format;
+# measured (ratios of medians within interleaved rounds, 2048x5632 and 5632x2048, bf16) on a busy
+# 2-vCPU Xeon with AMX. int4 against the int16-code kernel (AVX-512 VNNI build): new/old 1.1-1.7
+# at 32-48 rows, 0.8-1.1 at 64, 0.5 at 128, 0.4 at 256. int8 and float8 against their GEMVs (up to
+# 8 and 16 rows) and float32 dequantize + GEMM above: 1.5-2.8 at 8 rows, 0.6-0.95 at 16, 0.3 at 256.
+MIN_ROWS = {"int4": 96, "int8": 16, "fp8": 16}
 
 
 def _rows(x) -> int:
@@ -46,9 +42,9 @@ def _rows(x) -> int:
     return x.numel() // k if k else 0
 
 
-def _many_half_rows(isa, fmt):
+def _many_bf16_rows(fmt):
     def when(x, w) -> bool:
-        return x.dtype in HALF and _rows(x) >= MIN_ROWS[isa][fmt]
+        return x.dtype in HALF and _rows(x) >= MIN_ROWS[fmt]
     return when
 
 
@@ -111,17 +107,13 @@ def _contiguous(*tensors) -> bool:
     return all(t.is_contiguous() for t in tensors)
 
 
-for _isa, _cap in _BF16_GEMM.items():
-    _needs = (CPU_EXT, _cap)
-    _int4_rows, _int8_rows, _fp8_rows = (_many_half_rows(_isa, f) for f in ("int4", "int8", "fp8"))
-    register_kernel("linear", "Int4Tensor", f"cpu_int4_{_isa}_gemm", backend="cpu", priority=30,
-                    reads=("cpu_int4_pairs",), device="cpu", needs=_needs,
-                    when=lambda x, w, many=_int4_rows: many(x, w) and _contiguous(w.qdata, w.scale))(_int4)
-    register_kernel("linear", "Int4DQTensor", f"cpu_int4dq_{_isa}_gemm", backend="cpu", priority=30,
-                    reads=("cpu_int4dq",), device="cpu", needs=_needs,
-                    when=lambda x, w, many=_int4_rows: many(x, w) and _contiguous(w.qdata, w.gparams))(_int4dq)
-    register_kernel("linear", "Int8Tensor", f"cpu_int8_{_isa}_gemm", backend="cpu", priority=30, device="cpu",
-                    needs=_needs,
-                    when=lambda x, w, many=_int8_rows: many(x, w) and _per_row(w) and w.qdata.is_contiguous())(_int8)
-    register_kernel("linear", "Float8Tensor", f"cpu_fp8_{_isa}_gemm", backend="cpu", priority=20, device="cpu",
-                    needs=_needs, when=lambda x, w, many=_fp8_rows: many(x, w) and _float8_cpu_applies(x, w))(_fp8)
+_NEEDS = (CPU_EXT, BF16_GEMM_AMX)
+_int4_rows, _int8_rows, _fp8_rows = (_many_bf16_rows(f) for f in ("int4", "int8", "fp8"))
+register_kernel("linear", "Int4Tensor", "cpu_int4_amx_gemm", backend="cpu", priority=30, reads=("cpu_int4_pairs",),
+                device="cpu", needs=_NEEDS, when=lambda x, w: _int4_rows(x, w) and _contiguous(w.qdata, w.scale))(_int4)
+register_kernel("linear", "Int4DQTensor", "cpu_int4dq_amx_gemm", backend="cpu", priority=30, reads=("cpu_int4dq",),
+                device="cpu", needs=_NEEDS, when=lambda x, w: _int4_rows(x, w) and _contiguous(w.qdata, w.gparams))(_int4dq)
+register_kernel("linear", "Int8Tensor", "cpu_int8_amx_gemm", backend="cpu", priority=30, device="cpu", needs=_NEEDS,
+                when=lambda x, w: _int8_rows(x, w) and _per_row(w) and w.qdata.is_contiguous())(_int8)
+register_kernel("linear", "Float8Tensor", "cpu_fp8_amx_gemm", backend="cpu", priority=20, device="cpu", needs=_NEEDS,
+                when=lambda x, w: _fp8_rows(x, w) and _float8_cpu_applies(x, w))(_fp8)
