@@ -177,6 +177,7 @@ def _outputs(tmp: Path, isa_env: str | None) -> tuple[dict, dict]:
     return result, load_file(path)
 
 
+@pytest.mark.slow  # two builds: 8 minutes on a busy 2-vCPU machine
 @pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
 def test_avx512_build_gives_the_avx2_builds_outputs(tmp_path):
     if cpu_ext.chosen_isa() != "avx512":
