@@ -259,7 +259,11 @@ def child_measure(a) -> dict:
                                                         for _ in range(a.repeats))
     # Which rows of hf_aoq's kernel table ran (untimed passes: the counting costs a little).
     res["kernels_prefill"] = kernels_used(lambda: timed_prefill(model, prefill_ids))
-    res["kernels_decode"] = kernels_used(lambda: decode_tps(model, prompt, 1))
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        step = out.logits[:, -1:].argmax(-1)
+        res["kernels_decode"] = kernels_used(lambda: model(input_ids=step, past_key_values=out.past_key_values,
+                                                           use_cache=True))
     res["peak_rss_mb"] = peak_rss_mb()
     try:
         start = time.perf_counter()

@@ -1,15 +1,17 @@
-"""Many-row CPU linears for bf16 activations where aten's bf16 GEMM runs on AMX: the weight is dequantized into the activation dtype by hf_aoq's C++ code, then aten's
-GEMM (oneDNN, which reaches AMX) multiplies.
+"""Many-row CPU linears for bf16 activations where aten's bf16 GEMM runs on AMX: hf_aoq's C++ code
+dequantizes the weight into bf16, then aten's GEMM (oneDNN, on AMX) multiplies.
 
 The numbers are the reference kernel's, bit for bit: the reference dequantizes in float32, rounds
 once to the activation dtype and calls F.linear; the C++ `*_dequantize` functions produce the same
-weight bits (tests/test_cpu_isa.py checks equality), and the same F.linear call follows.
+weight bits (tests/test_cpu_isa.py checks equality), and the same F.linear call follows. The whole
+weight is dequantized (not chunk by chunk into per-thread GEMMs): the same single GEMM call as the
+reference is what makes the outputs equal.
 
-Measured on a 2-vCPU Xeon with AMX (scripts/bench_kernels.py, 2048x5632, bf16, 256 rows): dense
-bf16 3.5 ms, hf_aoq's int16-code int4 kernel 27 ms, float32 dequantize + GEMM 17-19 ms for int8
-and float8; dequantize to bf16 + aten's GEMM is in README's CPU kernel section. Below
-`MIN_ROWS[isa]` rows the weight-streaming kernels of cpu.py win (decode is bandwidth: reading a
-whole bf16 copy of the weight costs more than the int kernels' pass over the codes)."""
+Measured on a 2-vCPU Xeon with AMX (scripts/bench_kernels.py, 2048x5632, bf16, 256 rows, a quiet
+moment): dense bf16 3.5 ms, hf_aoq's int16-code int4 kernel 27 ms, float32 dequantize + GEMM
+17-19 ms for int8 and float8; with these rows 0.3-0.4x those times (README's CPU kernel section).
+Below `MIN_ROWS` rows the weight-streaming kernels of cpu.py win (decode is bandwidth: writing and
+reading a whole bf16 copy of the weight costs more than the int kernels' one pass over the codes)."""
 from __future__ import annotations
 
 import torch
