@@ -30,7 +30,7 @@ aten = torch.ops.aten
 def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     """(name, zero-argument callable) pairs for an [m, k] activation and an [n, k] weight."""
     from hf_aoq import Float8Tensor, Int4Tensor, Int8Tensor, kernels
-    from hf_aoq.kernels import cpu, cpu_ext
+    from hf_aoq.kernels import cpu, cpu_ext, cpu_gemm, cpu_isa
 
     torch.manual_seed(0)
     w = torch.randn(n, k) * 0.02
@@ -53,6 +53,9 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
         out.append(("hf_aoq ext int4 (dequant+gemm)",
                     lambda: ext.int4pack_linear(x_fp32, q4.qdata, q4.scale, 128, 0, False).to(dtype)))
     out.append(("hf_aoq int4 F.linear", lambda: F.linear(x, q4)))
+    gemm = dtype in cpu_gemm.HALF and ext is not None
+    if gemm and q4.packing == "cpu_int4_pairs":  # dequantize into x's dtype + aten's GEMM, at any row count
+        out.append((f"hf_aoq int4 dequant {str(dtype)[6:]} + aten GEMM", lambda: cpu_gemm._int4(x, q4, None)))
 
     q8 = Int8Tensor.from_float(w.to(dtype))
     s8 = q8.scale.reshape(-1).to(dtype)
@@ -63,6 +66,8 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
         out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30).to(dtype)))
         out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0).to(dtype)))
     out.append(("hf_aoq int8 F.linear", lambda: F.linear(x, q8)))
+    if gemm:
+        out.append((f"hf_aoq int8 dequant {str(dtype)[6:]} + aten GEMM", lambda: cpu_gemm._int8(x, q8, None)))
     q8d = Int8Tensor.from_float(w.to(dtype), act_quant="per_token")
     out.append(("hf_aoq int8dyn F.linear", lambda: F.linear(x, q8d)))
 
@@ -79,13 +84,19 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
 
     q8f = Float8Tensor.from_float(w.to(dtype))
     out.append(("hf_aoq fp8 F.linear", lambda: F.linear(x, q8f)))
+    if gemm:
+        out.append((f"hf_aoq fp8 dequant {str(dtype)[6:]} + aten GEMM", lambda: cpu_gemm._fp8(x, q8f, None)))
+    if dtype == torch.float16:
+        w_fp16 = w.half()
+        out.insert(2, ("dense fp16", lambda: F.linear(x, w_fp16)))
     if not cpu_ext.available():
         print("note: hf_aoq's CPU extension is unavailable; its kernels fall back")
     return out
 
 
-def run(n, k, m, dtype, rounds):
-    cands = candidates(n, k, m, dtype)
+def run(n, k, m, dtype, rounds, only=()):
+    cands = [(name, f) for name, f in candidates(n, k, m, dtype)
+             if not only or name.startswith("dense") or any(o in name for o in only)]
     times = {name: [] for name, _ in cands}
     with torch.inference_mode():
         for _, f in cands:  # warm-up (and any one-time build)
@@ -112,14 +123,19 @@ def main():
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--only", default="", help="comma-separated substrings: time only the kernels named so (and dense)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    from hf_aoq.kernels import cpu_isa
+
+    print(f"machine: {cpu_isa.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for shape in a.shape.split(","):
         n, k = (int(v) for v in shape.split("x"))
         for m in (int(r) for r in a.rows.split(",")):
             for dt in a.dtypes.split(","):
-                run(n, k, m, getattr(torch, dt), max(3, a.rounds if m <= 16 else a.rounds // 3))
+                run(n, k, m, getattr(torch, dt), max(3, a.rounds if m <= 16 else a.rounds // 3),
+                    tuple(o for o in a.only.split(",") if o))
 
 
 if __name__ == "__main__":

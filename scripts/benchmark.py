@@ -191,7 +191,8 @@ def timed_prefill(model, ids) -> float:
 
 
 def decode_tps(model, prompt, new_tokens: int) -> float:
-    """Greedy batch-1 decode with the KV cache; only the one-token steps are timed."""
+    """Greedy decode with the KV cache of every row of `prompt` (the batch); only the one-token
+    steps are timed. Tokens per second over all rows."""
     import torch
 
     with torch.inference_mode():
@@ -201,7 +202,30 @@ def decode_tps(model, prompt, new_tokens: int) -> float:
         for _ in range(new_tokens):
             out = model(input_ids=tok, past_key_values=past, use_cache=True)
             past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        return new_tokens / (time.perf_counter() - start)
+        return prompt.shape[0] * new_tokens / (time.perf_counter() - start)
+
+
+def kernels_used(fn) -> list[str]:
+    """The hf_aoq kernel-table rows `fn()` ran, as "op Type: kernel (calls)"."""
+    try:
+        from hf_aoq import kernels
+    except ImportError:
+        return []
+    seen: dict[str, int] = {}
+    select = kernels.select_kernel
+
+    def counting(op, x, w):
+        k = select(op, x, w)
+        key = f"{op} {type(w).__name__}: {k.name}"
+        seen[key] = seen.get(key, 0) + 1
+        return k
+
+    kernels.select_kernel = counting
+    try:
+        fn()
+    finally:
+        kernels.select_kernel = select
+    return [f"{k} ({n})" for k, n in sorted(seen.items())]
 
 
 def child_measure(a) -> dict:
@@ -227,6 +251,19 @@ def child_measure(a) -> dict:
     runs = [decode_tps(model, prompt, a.decode_tokens) for _ in range(a.repeats)]
     res["decode_tps"] = statistics.median(runs)
     res["decode_tps_runs"] = runs
+    for b in batches(a):
+        if b > 1:  # several streams at once: batch b, aggregate tokens/s, median of the repeats
+            prompts = torch.randint(0, vocab, (b, 16), generator=gen)
+            decode_tps(model, prompts, 2)
+            res[f"decode_tps_b{b}"] = statistics.median(decode_tps(model, prompts, a.decode_tokens)
+                                                        for _ in range(a.repeats))
+    # Which rows of hf_aoq's kernel table ran (untimed passes: the counting costs a little).
+    res["kernels_prefill"] = kernels_used(lambda: timed_prefill(model, prefill_ids))
+    with torch.inference_mode():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        step = out.logits[:, -1:].argmax(-1)
+        res["kernels_decode"] = kernels_used(lambda: model(input_ids=step, past_key_values=out.past_key_values,
+                                                           use_cache=True))
     res["peak_rss_mb"] = peak_rss_mb()
     try:
         start = time.perf_counter()
@@ -337,6 +374,46 @@ def measure_bandwidth(megabytes: int, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def measure_copy_bandwidth(megabytes: int, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by a copy of a `megabytes` buffer: a check that the
+    sum above is memory-bound (were it compute-bound, a copy would move more bytes per second)."""
+    import torch
+
+    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.numel() * 4 / best
+
+
+def machine_info(a) -> dict:
+    """What the machine is: CPU model, the instruction sets that matter (and what the OS allows),
+    which build of hf_aoq's kernels it loads, threads, versions."""
+    import torch
+    import transformers
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch_threads": a.threads or torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    try:
+        from hf_aoq.kernels import cpu_ext, cpu_isa
+
+        info.update(cpu_isa.describe())
+        info["hf_aoq_extension_isa"] = cpu_ext.chosen_isa()
+    except ImportError:
+        pass
+    return info
+
+
+def batches(a) -> list[int]:
+    return [int(b) for b in str(a.batches).split(",") if b.strip()]
+
+
 def spawn(a, step: str, extra: list[str], timeout: float) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
@@ -361,7 +438,7 @@ def spawn(a, step: str, extra: list[str], timeout: float) -> dict:
 
 
 def common_args(a) -> list[str]:
-    out = ["--prefill-tokens", str(a.prefill_tokens), "--prefill-repeats", str(a.prefill_repeats),
+    out = ["--batches", str(a.batches), "--prefill-tokens", str(a.prefill_tokens), "--prefill-repeats", str(a.prefill_repeats),
            "--decode-tokens", str(a.decode_tokens), "--repeats", str(a.repeats),
            "--fidelity-tokens", str(a.fidelity_tokens)]
     if a.threads:
@@ -399,8 +476,10 @@ def ratio(x, y):
 def markdown(report: dict) -> str:
     rows = report["results"]
     base = rows.get("bf16", {})
+    extra = sorted({int(k[len("decode_tps_b"):]) for r in rows.values() for k in r if k.startswith("decode_tps_b")})
     head = ("| config | load s | load peak RSS MB | peak RSS MB | model MB | size ×bf16 | decode tok/s | ×bf16 | decode limit tok/s "
-            "| prefill s | ×bf16 | save MB | reload s | reload peak RSS MB | SQNR dB | top-1 |")
+            "| % of limit |" + "".join(f" decode b{b} tok/s | ×bf16 |" for b in extra) +
+            " prefill s | ×bf16 | save MB | reload s | reload peak RSS MB | SQNR dB | top-1 |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for name, r in rows.items():
         if r.get("error") and "decode_tps" not in r:
@@ -411,11 +490,21 @@ def markdown(report: dict) -> str:
             name, fmt(r.get("load_s"), ".1f"), fmt(r.get("load_peak_rss_mb"), ".0f"), fmt(r.get("peak_rss_mb"), ".0f"),
             fmt(mb / 1e6 if mb else None, ".1f"), fmt(ratio(mb, base.get("model_bytes")), ".2f"),
             fmt(r.get("decode_tps"), ".2f"), fmt(ratio(r.get("decode_tps"), base.get("decode_tps")), ".2f"),
-            fmt(r.get("decode_limit_tps"), ".1f"), fmt(r.get("prefill_s"), ".2f"),
+            fmt(r.get("decode_limit_tps"), ".1f"),
+            fmt(None if ratio(r.get("decode_tps"), r.get("decode_limit_tps")) is None
+                else 100 * ratio(r.get("decode_tps"), r.get("decode_limit_tps")), ".0f"),
+            *[v for b in extra for v in (fmt(r.get(f"decode_tps_b{b}"), ".2f"),
+                                         fmt(ratio(r.get(f"decode_tps_b{b}"), base.get(f"decode_tps_b{b}")), ".2f"))],
+            fmt(r.get("prefill_s"), ".2f"),
             fmt(ratio(r.get("prefill_s"), base.get("prefill_s")), ".2f"),
             fmt(r["save_bytes"] / 1e6 if r.get("save_bytes") else None, ".1f"), fmt(r.get("reload_s"), ".1f"),
             fmt(r.get("reload_peak_rss_mb"), ".0f"), fmt(r.get("sqnr_db"), ".1f"), fmt(r.get("top1_agree"), ".3f"),
         ]) + " |")
+    used = {name: r for name, r in rows.items() if r.get("kernels_prefill") or r.get("kernels_decode")}
+    if used:
+        lines += ["", "| config | kernels in prefill (calls) | kernels in a batch-1 decode step (calls) |", "| --- | --- | --- |"]
+        for name, r in used.items():
+            lines.append(f"| {name} | {'; '.join(r.get('kernels_prefill') or [])} | {'; '.join(r.get('kernels_decode') or [])} |")
     peers = report.get("vs_peers") or {}
     if peers:
         lines += ["", "| hf_aoq vs peer | decode tok/s ratio | prefill s ratio | model bytes ratio |", "| --- | --- | --- | --- |"]
@@ -429,7 +518,7 @@ def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: lis
     import transformers
 
     base = results.get("bf16", {})
-    metrics = ("decode_tps", "prefill_s", "model_bytes", "load_s", "load_peak_rss_mb", "save_bytes", "reload_s")
+    metrics = ("decode_tps", *(f"decode_tps_b{b}" for b in batches(a) if b > 1), "prefill_s", "model_bytes", "load_s", "load_peak_rss_mb", "save_bytes", "reload_s")
     for name, r in results.items():
         r["vs_bf16"] = {m: ratio(r.get(m), base.get(m)) for m in metrics}
     vs_peers = {}
@@ -443,10 +532,7 @@ def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: lis
                 vs_peers[f"{name} / {peer}-{scheme}"] = {m: ratio(r.get(m), p.get(m)) for m in ("decode_tps", "prefill_s", "model_bytes")}
 
     report = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "torch_threads": a.threads or torch.get_num_threads(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": platform.python_version()},
+        "machine": machine_info(a),
         "model": model_desc,
         "settings": {k: getattr(a, k) for k in ("prefill_tokens", "prefill_repeats", "decode_tokens", "repeats", "fidelity_tokens", "bandwidth_mb")},
         "read_bandwidth_bytes_per_s": bandwidth,
@@ -507,6 +593,11 @@ def main_parent(a) -> int:
 
     log(f"measuring read bandwidth ({a.bandwidth_mb} MB buffer) ...")
     bandwidth = measure_bandwidth(a.bandwidth_mb)
+    copy_bw = measure_copy_bandwidth(a.bandwidth_mb)
+    if copy_bw > 1.2 * bandwidth:
+        notes.append(f"a copy moved {copy_bw / 1e9:.1f} GB/s against the sum's {bandwidth / 1e9:.1f} GB/s: the sum "
+                     "may be compute-bound here, so the decode limit is taken from the copy")
+        bandwidth = copy_bw
 
     results: dict[str, dict] = {}
     for name in names:
@@ -544,10 +635,15 @@ def main_parent(a) -> int:
     import transformers
 
     table = markdown(report)
-    print(f"## hf_aoq benchmark\n\nModel: {model_desc}. Machine: {report['machine']['processor']}, "
-          f"{report['machine']['cpus']} CPUs, torch {torch.__version__}, transformers {transformers.__version__}. "
+    mach = report["machine"]
+    print(f"## hf_aoq benchmark\n\nModel: {model_desc}. Machine: {mach.get('cpu', mach['processor'])} "
+          f"({mach['processor']}), {mach['cpus']} CPUs, {mach['torch_threads']} torch threads; CPU flags that matter: "
+          f"{', '.join(mach.get('flags', [])) or 'unknown'}; torch dispatch {mach.get('torch_capability')}, hf_aoq's "
+          f"kernels built for {mach.get('hf_aoq_extension_isa')}, bf16 GEMM on {mach.get('bf16_gemm')}. "
+          f"torch {torch.__version__}, transformers {transformers.__version__}. "
           f"Read bandwidth {bandwidth / 1e9:.1f} GB/s; decode limit = bandwidth / bytes read per token "
-          f"(all weights but the input embedding). Batch 1, greedy, KV cache; decode over {a.decode_tokens} tokens, "
+          f"(all weights but the input embedding), at batch 1; batches {a.batches} decode that many streams at once "
+          f"(tok/s over all of them). Greedy, KV cache; decode over {a.decode_tokens} tokens, "
           f"median of {a.repeats}; prefill {a.prefill_tokens} tokens, best of {a.prefill_repeats}. "
           f"Fidelity: logits on SmolLM2-135M vs bf16 ({a.fidelity_tokens} tokens of tests/data/lee_background.cor). "
           f"RSS includes the process baseline (python, torch, transformers: ~0.35 GB). A plain safetensors load is "
@@ -570,6 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="a tiny default model (hidden 128, 2 layers, vocab 1000) for tests")
     p.add_argument("--cache-dir", default="~/.cache/hf_aoq/bench", help="where the default model and SmolLM2 bf16 are kept")
     p.add_argument("--out", default="benchmark.json", help="the JSON report (default benchmark.json; '' for none)")
+    p.add_argument("--batches", default="1,4,16", help="decode batch sizes (comma-separated; default 1,4,16)")
     p.add_argument("--prefill-tokens", type=int, default=256)
     p.add_argument("--prefill-repeats", type=int, default=1)
     p.add_argument("--decode-tokens", type=int, default=32)

@@ -32,6 +32,17 @@ def test_benchmark_runs_end_to_end(tmp_path):
             assert r[key] > 0 and math.isfinite(r[key]), (name, key, r[key])
         assert r["vs_bf16"]["decode_tps"] > 0
         assert r["reload_model_bytes"] == r["model_bytes"]
+    # The machine, the kernels each config ran, and decode at batch 4 and 16 (tests/test_cpu_isa.py
+    # covers the ISA checks themselves).
+    machine = report["machine"]
+    for key in ("cpu", "flags", "torch_capability", "hf_aoq_extension_isa", "torch_threads", "torch"):
+        assert key in machine, key
+    for name in ("bf16", "int4", "int4dq"):
+        assert results[name]["decode_tps_b4"] > 0 and results[name]["decode_tps_b16"] > 0, name
+    assert results["bf16"]["kernels_decode"] == []  # no quantized weight: no row of hf_aoq's table
+    assert any(k.startswith("linear Int4Tensor: ") for k in results["int4"]["kernels_decode"])
+    assert any(k.startswith("linear Int4DQTensor: ") for k in results["int4dq"]["kernels_prefill"])
+    assert "% of limit" in result.stdout and "decode b16 tok/s" in result.stdout and "kernels in prefill" in result.stdout
     assert results["int4"]["model_bytes"] < results["bf16"]["model_bytes"]
     assert results["int4-head"]["model_bytes"] < results["int4"]["model_bytes"]  # lm_head quantized too
     assert results["int4"]["save_bytes"] < results["bf16"]["save_bytes"]

@@ -375,3 +375,7 @@ def int4dq_ext_linear(x, w, bias):
     """As the int4 kernel: float32 compute for float32 activations, int16 activation codes for
     half-precision ones."""
     return int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1], _in_features(w), bias)
+
+
+# Many rows with half-precision activations on CPUs with a fast bf16 GEMM (AMX, AVX512-BF16).
+from . import cpu_gemm  # noqa: E402,F401

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import build_cache
+from . import build_cache, cpu_isa
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("int4.cpp", "int4dq.cpp", "int4dq_search.cpp", "int8.cpp", "fp8.cpp", "linear_io.cpp")
@@ -26,14 +26,20 @@ FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
     "int4pack_linear_io", "int8_linear_io", "fp8_linear_io", "int4_repack_pairs",
     "int4dq_linear", "int4dq_linear_io", "int4dq_row_params", "int4dq_search",
+    "int4pack_dequantize", "int4dq_dequantize", "int8_dequantize", "fp8_dequantize",
 ]
 # No contraction of a separate multiply and add into an FMA: the dequantizing kernels must round
 # as the reference does.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 # Per instruction set: the compiler flags, and the CPU flags (as /proc/cpuinfo names them) that a
-# binary built with them needs. The first one the running CPU has is built.
+# binary built with them needs. The first one the running CPU (and OS: cpu_isa) allows is built.
+# avx512: the AVX2 kernels compiled for AVX-512 (F/BW/VL/DQ), with VNNI's vpdpwssd in the int4
+# kernel's integer multiply-adds (int4_pairs.h; the same integer sums as the AVX2 build's).
 ISAS = {
+    "avx512": (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+                "-mavx512bf16"),
+               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")),
     "avx2": (("-mavx2", "-mfma"), ("avx2", "fma")),
     "generic": ((), ()),
 }
@@ -41,12 +47,14 @@ WAIT_SECONDS = 900.0  # for another process's build of the same binary (HF_AOQ_E
 
 
 def chosen_isa() -> str:
-    """The instruction set to build for: the first of ISAS that this CPU (and torch, which knows
-    what the OS allows and honours ATEN_CPU_CAPABILITY) supports."""
+    """The instruction set to build for: the first of ISAS that this CPU has and the OS enables
+    (torch's dispatch knows what the OS allows and honours ATEN_CPU_CAPABILITY; HF_AOQ_CPU_ISA
+    takes AVX-512 away, see cpu_isa), never what the build machine has."""
     have = build_cache.cpu_features()
-    torch_avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    torch_cap = torch.backends.cpu.get_cpu_capability()
+    allowed = {"avx512": cpu_isa.avx512_allowed(), "avx2": torch_cap in ("AVX2", "AVX512"), "generic": True}
     for isa, (_, needs) in ISAS.items():
-        if set(needs) <= have and (torch_avx2 or not needs):
+        if set(needs) <= have and allowed.get(isa, False):
             return isa
     return "generic"
 

@@ -88,6 +88,34 @@ inline void fp8_dot4(const uint8_t* r0, const float* x, int64_t K, int s, float*
 }
 #endif
 
+// Weight rows [n0, n1) as float32 [n1 - n0, K], exactly as the reference dequantizes: the code's
+// value times its row's scale, one rounding.
+struct Fp8Rows {
+  const uint8_t* codes;
+  const float* scale;
+  int64_t K;
+  int64_t shift;
+  void operator()(int64_t n0, int64_t n1, float* wp) const {
+    DenormalsKept keep;
+    const float exact_factor = shift == 20 ? std::ldexp(1.f, 120) : std::ldexp(1.f, 112);
+    const int s = static_cast<int>(shift);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = codes + n * K;
+      float* o = wp + (n - n0) * K;
+      const float rs = scale[n];
+      int64_t k = 0;
+#if defined(__AVX2__)
+      const __m256 f = _mm256_set1_ps(exact_factor), sv = _mm256_set1_ps(rs);
+      for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_mul_ps(codes_to_scaled_floats(row + k, s), f);  // exact: the code's value
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(v, sv));
+      }
+#endif
+      for (; k < K; ++k) o[k] = (code_to_scaled_float(row[k], s) * exact_factor) * rs;
+    }
+  }
+};
+
 }  // namespace
 
 // x: float32 [M, K]; codes: uint8 [N, K] (float8 bits); row_scale: float32 [N], the weight's
@@ -156,27 +184,18 @@ torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Te
   TORCH_CHECK(shift == 20 || shift == 21, "shift: 20 (e4m3fn) or 21 (e5m2)");
   TORCH_CHECK(x.size(1) == codes.size(1), "x and codes disagree on K");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const float exact_factor = shift == 20 ? std::ldexp(1.f, 120) : std::ldexp(1.f, 112);
-  const int s = static_cast<int>(shift);
   auto y = torch::empty({M, N}, x.options());
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, [&](int64_t n0, int64_t n1, float* wp) {
-    DenormalsKept keep;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = cp + n * K;
-      float* o = wp + (n - n0) * K;
-      const float rs = sp[n];
-      int64_t k = 0;
-#if defined(__AVX2__)
-      const __m256 f = _mm256_set1_ps(exact_factor), sv = _mm256_set1_ps(rs);
-      for (; k + 8 <= K; k += 8) {
-        const __m256 v = _mm256_mul_ps(codes_to_scaled_floats(row + k, s), f);  // exact: the code's value
-        _mm256_storeu_ps(o + k, _mm256_mul_ps(v, sv));
-      }
-#endif
-      for (; k < K; ++k) o[k] = (code_to_scaled_float(row[k], s) * exact_factor) * rs;
-    }
-  });
+  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, Fp8Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, shift});
   return y;
+}
+
+// The weight [N, K] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
+// for aten's GEMM in that dtype at many rows. scale: the per-row scale, as for fp8_linear.
+torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t shift, torch::ScalarType dtype) {
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == codes.size(0) && scale.is_contiguous(), "scale: float32 [N]");
+  TORCH_CHECK(shift == 20 || shift == 21, "shift: 20 (e4m3fn) or 21 (e5m2)");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  return dequant_weight(N, K, K, 1, /*transposed=*/false, dtype,
+                        Fp8Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, shift});
 }

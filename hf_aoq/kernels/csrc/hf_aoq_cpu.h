@@ -5,14 +5,20 @@
 #include <torch/types.h>
 #include <vector>
 
+// *_dequantize: the whole weight in bfloat16 or float16, bit for bit the reference's
+// dequantize(dtype), for aten's GEMM at many rows (kernels/cpu_gemm.py).
 // int4.cpp: Int4Tensor on the pairs layout, and the repacking into it.
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                               int64_t gemv_max_rows, bool int16_activations);
 torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k);
+torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size, int64_t k,
+                                  torch::ScalarType dtype);
 
 // int4dq.cpp: Int4DQTensor on the pairs layout.
 torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations);
+torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                                torch::Tensor tparams, int64_t group_size, int64_t k, torch::ScalarType dtype);
 
 // int4dq_search.cpp: Int4DQTensor's quantize-time helpers.
 torch::Tensor int4dq_row_params(torch::Tensor rparams, torch::Tensor tparams);
@@ -21,10 +27,12 @@ std::vector<torch::Tensor> int4dq_search(torch::Tensor x, torch::Tensor a0, torc
 
 // int8.cpp
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows);
+torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, torch::ScalarType dtype);
 
 // fp8.cpp
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row_scale, int64_t shift);
 torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift);
+torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t shift, torch::ScalarType dtype);
 
 // linear_io.cpp: F.linear(x, weight, bias) per format in one call.
 torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,

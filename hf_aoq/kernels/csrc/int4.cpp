@@ -64,6 +64,33 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   return y;
 }
 
+// The weight [N, k] in dtype (bfloat16 or float16) from the pairs layout, bit for bit the
+// reference's dequantize(dtype): for aten's GEMM in that dtype at many rows. packed and
+// scale_zero as for int4pack_linear (K: packed's columns times two, k <= K).
+torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size, int64_t k,
+                                  torch::ScalarType dtype) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(), "packed: contiguous uint8 [N, K/2]");
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "K must be a multiple of an even group_size");
+  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == K / group_size && scale_zero.size(1) == N &&
+                  scale_zero.size(2) == 2 && scale_zero.is_contiguous(),
+              "scale_zero: contiguous [K/group_size, N, 2]");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  torch::Tensor out;
+  auto run = [&](auto* sz) {
+    const ScaleZeroParams<std::remove_const_t<std::remove_pointer_t<decltype(sz)>>> params{sz, N};
+    out = int4_dequant_weight(w, params, N, K, group_size, k, dtype);
+  };
+  switch (scale_zero.scalar_type()) {
+    case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
+    case torch::kBFloat16: run(scale_zero.data_ptr<c10::BFloat16>()); break;
+    case torch::kFloat16: run(scale_zero.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, "scale_zero: float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 // Canonical int4 bytes (uint8 [N, K/2], code of column k in the low nibble of byte k/2 for even
 // k, the high nibble for odd k) -> the pairs layout (int4_pairs.h), for K padded to
 // `padded_k` with code 8 (the padding the kernels' zero input columns meet). uint8 [N, padded_k/2].

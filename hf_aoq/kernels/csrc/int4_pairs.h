@@ -301,6 +301,25 @@ Int16Rows quantize_rows16(const float* x, int64_t M, int64_t K, int64_t gs) {
   return q;
 }
 
+// acc + the pairwise products of int16 lanes (vpmaddwd, then vpaddd): one AVX-512 VNNI vpdpwssd
+// where the build has it. The same int32 sums either way (neither saturates, and the products of
+// int4 codes and int16 activation codes never reach the one pair, -32768 * -32768 twice, where
+// vpmaddwd wraps), so both builds give the same outputs bit for bit.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HF_AOQ_VNNI 1
+#else
+#define HF_AOQ_VNNI 0
+#endif
+#if defined(__AVX2__)
+inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+#if HF_AOQ_VNNI
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+#endif
+
 // Groups of up to this many columns keep an int32 sum of code products exact: each 32-bit lane
 // of vpmaddwd adds two products of at most 15 * 32767, and gs / 2 of those stay below 2^31.
 constexpr int64_t kMaxInt16Group = 4096;
@@ -326,22 +345,35 @@ __attribute__((always_inline)) inline void int4_group_isums(const uint8_t* blk, 
   };
   int64_t j = j0;
   if (MB == 1) {
+#if HF_AOQ_VNNI
+    __m256i b[4];  // the second pair's chains: two dependent vpdpwssd per chain were latency-bound
+    for (int t = 0; t < 4; ++t) b[t] = _mm256_setzero_si256();
+#endif
     for (; j + 2 <= j1; j += 2) {
       __m256i q[4], r[4];
       codes(blk + j * 32, q);
       codes(blk + j * 32 + 32, r);
       const __m256i xa = _mm256_set1_epi32(xq.pair(ms[0], K, 2 * j));
       const __m256i xb = _mm256_set1_epi32(xq.pair(ms[0], K, 2 * j + 2));
-      for (int t = 0; t < 4; ++t)
+      for (int t = 0; t < 4; ++t) {
+#if HF_AOQ_VNNI
+        a[0][t] = _mm256_dpwssd_epi32(a[0][t], q[t], xa);
+        b[t] = _mm256_dpwssd_epi32(b[t], r[t], xb);
+#else
         a[0][t] = _mm256_add_epi32(a[0][t], _mm256_add_epi32(_mm256_madd_epi16(q[t], xa), _mm256_madd_epi16(r[t], xb)));
+#endif
+      }
     }
+#if HF_AOQ_VNNI
+    for (int t = 0; t < 4; ++t) a[0][t] = _mm256_add_epi32(a[0][t], b[t]);
+#endif
   }
   for (; j < j1; ++j) {
     __m256i q[4];
     codes(blk + j * 32, q);
     for (int i = 0; i < MB; ++i) {
       const __m256i xa = _mm256_set1_epi32(xq.pair(ms[i], K, 2 * j));
-      for (int t = 0; t < 4; ++t) a[i][t] = _mm256_add_epi32(a[i][t], _mm256_madd_epi16(q[t], xa));
+      for (int t = 0; t < 4; ++t) a[i][t] = madd_acc(a[i][t], q[t], xa);
     }
   }
   for (int i = 0; i < MB; ++i)
@@ -474,6 +506,15 @@ template <class P>
 void int4_gemm(const torch::Tensor& x, const uint8_t* w, const P& params, torch::Tensor& y, int64_t N, int64_t K, int64_t gs) {
   dequant_gemm(x, y, N, K, BLOCK_N, /*transposed=*/true,
                [&](int64_t n0, int64_t n1, float* buf) { int4_dequant_t(w, params, buf, N, K, gs, n0, n1); });
+}
+
+// The weight's first k columns as [N, k] in dtype (bfloat16 or float16), equal to the reference's
+// dequantize(dtype) (dequant_weight in dequant_gemm.h).
+template <class P>
+torch::Tensor int4_dequant_weight(const uint8_t* w, const P& params, int64_t N, int64_t K, int64_t gs, int64_t k,
+                                  torch::ScalarType dtype) {
+  return dequant_weight(N, K, k, BLOCK_N, /*transposed=*/true, dtype,
+                        [&](int64_t n0, int64_t n1, float* buf) { int4_dequant_t(w, params, buf, N, K, gs, n0, n1); });
 }
 
 // The int4 path for x (float32 [M, K]): int16 activation codes when the caller's activations

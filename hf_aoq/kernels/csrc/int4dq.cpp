@@ -97,6 +97,28 @@ torch::Tensor int4dq_decode(const torch::Tensor& rparams, const torch::Tensor& t
   return out;
 }
 
+namespace {
+
+// The checked parameter provider of a packed Int4DQ weight (Kp = packed's columns times two);
+// `rows` keeps the decoded row parameters it points into alive.
+DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, const torch::Tensor& rparams,
+                   const torch::Tensor& tparams, int64_t group_size, torch::Tensor& rows) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
+              "packed: contiguous uint8 [N, Kp/2]");
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
+  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
+                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
+              "gparams_t: contiguous uint8 [Kp/group_size, N]");
+  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
+  rows = int4dq_decode(rparams, tparams).t().contiguous();  // [4, N]: dlo, dstep, clo, cstep
+  const float* rp = rows.data_ptr<float>();
+  return DQParams{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N};
+}
+
+}  // namespace
+
 // x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
 // packed: uint8 [N, Kp/2] in the pairs layout (int4_repack_pairs of the canonical codes);
 // gparams_t: uint8 [Kp/group_size, N] contiguous (the canonical gparams transposed); rparams:
@@ -107,18 +129,19 @@ torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
-              "packed: contiguous uint8 [N, Kp/2]");
-  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
-  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
-                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
-              "gparams_t: contiguous uint8 [Kp/group_size, N]");
-  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
-  auto rows = int4dq_decode(rparams, tparams).t().contiguous();  // [4, N]: dlo, dstep, clo, cstep
-  const float* rp = rows.data_ptr<float>();
-  const DQParams params{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N};
+  TORCH_CHECK(packed.numel() * 2 == N * K, "packed: [N, Kp/2] for x's Kp");
+  torch::Tensor rows;
+  const DQParams params = dq_params(packed, gparams_t, rparams, tparams, group_size, rows);
   auto y = torch::empty({M, N}, x.options());
   int4_linear(x, packed.data_ptr<uint8_t>(), params, y, N, group_size, gemv_max_rows, int16_activations);
   return y;
+}
+
+// The weight [N, k] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
+// for aten's GEMM in that dtype at many rows. Arguments as for int4dq_linear; k <= Kp.
+torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                                torch::Tensor tparams, int64_t group_size, int64_t k, torch::ScalarType dtype) {
+  torch::Tensor rows;
+  const DQParams params = dq_params(packed, gparams_t, rparams, tparams, group_size, rows);
+  return int4_dequant_weight(packed.data_ptr<uint8_t>(), params, packed.size(0), packed.size(1) * 2, group_size, k, dtype);
 }

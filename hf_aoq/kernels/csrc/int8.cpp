@@ -77,6 +77,21 @@ void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, in
   });
 }
 
+// Weight rows [n0, n1) as float32 [n1 - n0, K]: q * scale, the reference's float32 dequantization.
+struct Int8Rows {
+  const int8_t* q;
+  const float* scale;
+  int64_t K;
+  void operator()(int64_t n0, int64_t n1, float* buf) const {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* row = q + n * K;
+      float* o = buf + (n - n0) * K;
+      const float s = scale[n];
+      for (int64_t k = 0; k < K; ++k) o[k] = float(row[k]) * s;
+    }
+  }
+};
+
 }  // namespace
 
 // x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
@@ -95,15 +110,17 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
     int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
     return y;
   }
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, [&](int64_t n0, int64_t n1, float* buf) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* row = qp + n * K;
-      float* o = buf + (n - n0) * K;
-      const float s = sp[n];
-      for (int64_t k = 0; k < K; ++k) o[k] = float(row[k]) * s;
-    }
-  });
+  const Int8Rows rows{q.data_ptr<int8_t>(), scale.data_ptr<float>(), K};
+  dequant_gemm(x, y, N, K, 1, /*transposed=*/false, rows);
   return y;
+}
+
+// The weight [N, K] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
+// for aten's GEMM in that dtype at many rows. scale: [N] or [N, 1], any float dtype.
+torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, torch::ScalarType dtype) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "q: contiguous int8 [N, K]");
+  const auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
+  TORCH_CHECK(s.numel() == q.size(0), "scale: one value per row");
+  const int64_t N = q.size(0), K = q.size(1);
+  return dequant_weight(N, K, K, 1, /*transposed=*/false, dtype, Int8Rows{q.data_ptr<int8_t>(), s.data_ptr<float>(), K});
 }
