@@ -39,6 +39,7 @@ TABLE = [
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "rowgather"),
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
+    ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm_rowwise"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm"),
     ("linear", "Float8Tensor", "canonical", "reference"),
     ("linear", "Int4DQTensor", "canonical", "reference"),
