@@ -35,11 +35,11 @@ run() {  # print a step; run it unless --dry-run
 run mkdir -p "$OUT"
 # 1. What is missing (hf_aoq itself runs from this checkout).
 if [ -d wheels ]; then
-  run "$PY" -m pip install --quiet --no-index --find-links wheels wheels/*.whl
+  run timeout 120 "$PY" -m pip install --quiet --no-index --find-links wheels wheels/*.whl
 fi
-run "$PY" -c "import torch, transformers, safetensors, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+run timeout 60 "$PY" -c "import torch, transformers, safetensors, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # 2. What this GPU and torch allow, as hf_aoq's kernel table sees it.
-run env PYTHONPATH="$PWD" "$PY" -c "
+run timeout 60 env PYTHONPATH="$PWD" "$PY" -c "
 import json, sys, torch, hf_aoq
 from hf_aoq.kernels import registry
 d = torch.device('cuda', torch.cuda.current_device())
