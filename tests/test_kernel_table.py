@@ -45,6 +45,7 @@ TABLE = [
     ("linear", "Int4DQTensor", "canonical", "reference"),
     ("linear", "Int4DQTensor", "cpu_int4dq", "cpu_int4dq_ext"),
     ("linear", "Int4DQTensor", "cpu_int4dq", "reference"),
+    ("linear", "Int4Tensor", "canonical", "triton_int4_gemv"),
     ("linear", "Int4Tensor", "canonical", "reference"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int4_ext"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "reference"),

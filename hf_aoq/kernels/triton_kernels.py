@@ -1,0 +1,59 @@
+"""Rows of the kernel table that run Triton kernels (triton_jit.py), on CUDA devices where
+triton is installed. This module does not import triton: the rows are always in the table, and
+their capability says whether triton can run here.
+
+The int4 GEMV reads Int4Tensor's canonical layout; placement packs for tinygemm where that runs,
+so today this row serves the int4 weights tinygemm cannot take (N not a multiple of 8, ROCm,
+torch < 2.5) at few rows. Whether it should replace tinygemm at decode waits on GPU figures
+(scripts/gpu_bench.py)."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from .common import FLOATS
+from .registry import capability, opaque_op, register_kernel
+
+
+def _triton_runs(device) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.version.hip is not None or tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
+
+
+TRITON = capability("cuda:triton", "cuda", _triton_runs)
+TRITON_GEMV_MAX_ROWS = 8  # above this, one dequantization and cuBLAS (the reference) do better
+
+
+def _gemv_out(x2, qdata, scale, zero, bias, group_size, n, k):
+    return x2.new_empty(x2.shape[0], n)
+
+
+@opaque_op("int4_gemv_triton", _gemv_out)
+def int4_gemv_op(
+    x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], group_size: int, n: int, k: int,
+) -> torch.Tensor:
+    from .triton_jit import int4_gemv
+
+    return int4_gemv(x2, qdata, scale, zero, bias, group_size, n, k)
+
+
+def _int4_gemv_applies(x, w) -> bool:
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    contiguous = w.qdata.is_contiguous() and w.scale.is_contiguous() and (w.zero is None or w.zero.is_contiguous())
+    return x.dtype in FLOATS and rows <= TRITON_GEMV_MAX_ROWS and contiguous
+
+
+@register_kernel("linear", "Int4Tensor", "triton_int4_gemv", backend="triton", priority=5, device="cuda",
+                 needs=(TRITON,), when=_int4_gemv_applies)
+def int4_triton_linear(x, w, bias):
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = int4_gemv_op(x2, w.qdata, w.scale, w.zero, bias, w.block_size[-1], n, k)
+    return y.reshape(*x.shape[:-1], n)
