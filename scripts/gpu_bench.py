@@ -72,6 +72,21 @@ def aten_baseline(scheme: str, q, x):
     return None
 
 
+def time_triton_int4(case, w, x, iters: int):
+    """hf_aoq's Triton int4 GEMV on the canonical layout (None without triton or above its rows)."""
+    from hf_aoq import Int4Tensor
+    from hf_aoq.kernels.triton_kernels import TRITON_GEMV_MAX_ROWS
+
+    try:
+        from hf_aoq.kernels import triton_jit
+    except ImportError:
+        return None
+    if case["rows"] > TRITON_GEMV_MAX_ROWS * 2:
+        return None
+    c = Int4Tensor.from_float(w, 128)
+    return time_ms(lambda: triton_jit.int4_gemv(x, c.qdata, c.scale, c.zero, None, 128, case["n"], case["k"]), iters)
+
+
 def bench_linears(iters: int, results: list, save) -> list[dict]:
     from hf_aoq import kernels
 
@@ -86,6 +101,7 @@ def bench_linears(iters: int, results: list, save) -> list[dict]:
             row["hf_aoq_ms"] = time_ms(lambda: F.linear(x, q), iters)
             base = aten_baseline(case["scheme"], q, x)
             row["aten_ms"] = time_ms(base, iters) if base else None
+            row["triton_ms"] = time_triton_int4(case, w, x, iters) if case["scheme"] == "int4" else None
         row["vs_bf16"] = row["hf_aoq_ms"] / row["bf16_ms"]
         results.append(row)
         save()

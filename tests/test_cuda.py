@@ -54,7 +54,7 @@ def test_cuda_kernel_matches_reference(config, kernel, capability, rows, k, dtyp
     torch.manual_seed(0)
     w = torch.randn(512, k, dtype=torch.bfloat16)
     bias = torch.randn(512, dtype=dtype, device="cuda")
-    q = config.quantize_weight(w).to("cuda").place()
+    q = config.quantize_weight(w.cuda()).place()  # quantized on the GPU (moves: the tests below)
     x = torch.randn(rows, k, dtype=dtype, device="cuda")
     chosen = kernels.select_kernel("linear", x, q)
     assert chosen.name == kernel
@@ -150,3 +150,19 @@ def test_compile_on_cuda_with_changing_row_counts(config):
         for rows in (1, 4, 17, 33, 512, 1):
             x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
             assert sqnr(lin(x), compiled(x)) > 35, rows
+
+
+@pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (20, 576, 32), (512, 1024, 64)])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_triton_int4_gemv_on_the_gpu(n, k, group, rows):
+    pytest.importorskip("triton")
+    from hf_aoq.kernels import triton_jit
+
+    torch.manual_seed(0)
+    q = Int4Tensor.from_float(torch.randn(n, k, dtype=torch.bfloat16, device="cuda"), group)  # canonical
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    y = triton_jit.int4_gemv(x, q.qdata, q.scale, q.zero, None, group, n, k)
+    exact = x.double() @ q.dequantize(torch.float32).double().t()
+    assert (y.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
+    if n % 8:
+        assert kernels.select_kernel("linear", x, q.place()).name == "triton_int4_gemv"
