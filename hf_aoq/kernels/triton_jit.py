@@ -65,3 +65,47 @@ def int4_gemv(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: 
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )
     return y
+
+
+def scaled_gemv_body(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, N, K, GROUP, stride_xm, stride_ym, stride_qn, stride_sn,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row m times BLOCK_N rows of int8 or float8 codes q [N, K] with
+    w = q * scale[n, k // GROUP] (GROUP = K and stride_sn = 0: one scale for the tensor)."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        mask = n_mask[:, None] & k_mask[None, :]
+        q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask).to(tl.float32)
+        q = tl.where(mask, q, 0.0)  # no `other`: float8 has no literal zero in every Triton backend
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_k[None, :] // GROUP, mask=mask, other=0).to(tl.float32)
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0).to(tl.float32)
+        acc += tl.sum(q * s * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+scaled_gemv_kernel = triton.jit(scaled_gemv_body)
+
+
+def scaled_gemv(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """[M, K] activations times int8 / float8 codes [N, K] (unit stride along K) scaled per row,
+    per group of `group_size` along K, or per tensor (a [1, 1] scale): [M, N] in x's dtype."""
+    m, k = x2.shape
+    n = qdata.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return y
+    per_tensor = scale.numel() == 1
+    scaled_gemv_kernel[(triton.cdiv(n, BLOCK_N), m)](
+        x2, qdata, scale, bias if bias is not None else scale, y, n, k, k if per_tensor else group_size,
+        x2.stride(0), y.stride(0), qdata.stride(0), 0 if per_tensor else scale.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )
+    return y

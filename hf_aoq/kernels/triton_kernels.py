@@ -2,10 +2,11 @@
 triton is installed. This module does not import triton: the rows are always in the table, and
 their capability says whether triton can run here.
 
-The int4 GEMV reads Int4Tensor's canonical layout; placement packs for tinygemm where that runs,
-so today this row serves the int4 weights tinygemm cannot take (N not a multiple of 8, ROCm,
-torch < 2.5) at few rows. Whether it should replace tinygemm at decode waits on GPU figures
-(scripts/gpu_bench.py)."""
+The GEMVs read the canonical layouts, at up to TRITON_GEMV_MAX_ROWS rows. int4: placement packs
+for tinygemm where that runs, so today this row serves the int4 weights tinygemm cannot take (N
+not a multiple of 8, ROCm, torch < 2.5); whether it should replace tinygemm at decode waits on
+GPU figures (scripts/gpu_bench.py). int8 and float8 weight-only: the codes read in place instead
+of the reference's dequantization to a float weight on every call."""
 from __future__ import annotations
 
 import importlib.util
@@ -57,3 +58,37 @@ def int4_triton_linear(x, w, bias):
         x2 = x2.contiguous()
     y = int4_gemv_op(x2, w.qdata, w.scale, w.zero, bias, w.block_size[-1], n, k)
     return y.reshape(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------- int8 / float8 weight-only
+@opaque_op("scaled_gemv_triton", lambda x2, qdata, scale, group_size, bias: x2.new_empty(x2.shape[0], qdata.shape[0]))
+def scaled_gemv_op(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    from .triton_jit import scaled_gemv
+
+    return scaled_gemv(x2, qdata, scale, group_size, bias)
+
+
+def _scaled_gemv_applies(x, w) -> bool:
+    """Weight-only codes read in place: few rows, codes with unit stride along K (not a
+    transposed weight), one scale per row, per group along K or per tensor."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    n = w.qdata.shape[0]
+    block = tuple(w.block_size)
+    return (w.act_quant is None and x.dtype in FLOATS and rows <= TRITON_GEMV_MAX_ROWS and w.qdata.stride(-1) == 1
+            and (block[0] == 1 or block == (n, k)) and w.scale.stride(-1) == 1)
+
+
+def _scaled_triton_linear(x, w, bias):
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = scaled_gemv_op(x2, w.qdata, w.scale, w.block_size[-1], bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+for _type, _name in (("Int8Tensor", "triton_int8_gemv"), ("Float8Tensor", "triton_fp8_gemv")):
+    register_kernel("linear", _type, _name, backend="triton", priority=5, device="cuda", needs=(TRITON,),
+                    when=_scaled_gemv_applies)(_scaled_triton_linear)
