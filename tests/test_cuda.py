@@ -1,5 +1,7 @@
 """CUDA kernels against the reference; skipped without a GPU (see conftest.py). The same paths
 run on a CPU build in tests/test_cuda_contracts.py (shapes and contracts, no values)."""
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,8 @@ CASES = [
     (Int8DynamicActivationInt8WeightConfig(), "cuda_int_mm", (7, 5)),
     (Float8DynamicActivationFloat8WeightConfig(), "cuda_scaled_mm_rowwise", (9, 0)),
     (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), "cuda_scaled_mm", (8, 9)),
-    (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(), activation_dtype=E5M2), "cuda_scaled_mm", (8, 9)),
+    (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(), activation_dtype=E5M2), "cuda_scaled_mm",
+     (8, 9)),
     (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(), activation_dtype=E5M2, weight_dtype=E5M2),
      "reference", (0, 0)),
     (Int8WeightOnlyConfig(), "reference", (0, 0)),
@@ -38,6 +41,20 @@ CASES = [
     (Int4DQWeightOnlyConfig(), "reference", (0, 0)),
 ]
 IDS = [f"{type(c).__name__}-{i}" for i, (c, _, _) in enumerate(CASES)]
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_ROWS = {"Int8Tensor": "triton_int8_gemv", "Float8Tensor": "triton_fp8_gemv", "Int4Tensor": "triton_int4_gemv"}
+
+
+def _expected(kernel, q, rows):
+    """The reference rows of weight-only int8 / float8 (and of int4 weights tinygemm cannot take)
+    give way to hf_aoq's Triton GEMV at few rows where triton is installed."""
+    from hf_aoq.kernels.triton_kernels import TRITON_GEMV_MAX_ROWS
+
+    if kernel == "reference" and HAS_TRITON and rows <= TRITON_GEMV_MAX_ROWS and getattr(q, "act_quant", None) is None:
+        return TRITON_ROWS.get(type(q).__name__, kernel)
+    return kernel
 
 
 def _needs(capability):
@@ -57,7 +74,7 @@ def test_cuda_kernel_matches_reference(config, kernel, capability, rows, k, dtyp
     q = config.quantize_weight(w.cuda()).place()  # quantized on the GPU (moves: the tests below)
     x = torch.randn(rows, k, dtype=dtype, device="cuda")
     chosen = kernels.select_kernel("linear", x, q)
-    assert chosen.name == kernel
+    assert chosen.name == _expected(kernel, q, rows)
     reference = kernels.kernels_for("linear", type(q).__name__)[-1]
     y = F.linear(x, q, bias)
     assert y.is_cuda and y.shape == (rows, 512) and y.dtype == dtype
@@ -89,7 +106,7 @@ def test_fallback_shapes_run_the_reference():
         w = torch.randn(*shape, dtype=torch.bfloat16)
         q = config.quantize_weight(w).to("cuda").place()
         x = torch.randn(3, shape[1], dtype=torch.bfloat16, device="cuda")
-        assert kernels.select_kernel("linear", x, q).name == "reference", (config, shape)
+        assert kernels.select_kernel("linear", x, q).name == _expected("reference", q, 3), (config, shape)
         assert sqnr(F.linear(x, w.cuda()), F.linear(x, q)) > 15
 
 

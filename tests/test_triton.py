@@ -162,6 +162,7 @@ def test_the_interpreter_tests_run_somewhere():
         pytest.skip("the interpreter tests ran in this process")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                           "-k", "match_the_reference or matches_the_reference or no_rows"], env=env, capture_output=True, text=True,
+                           "-k", "match_the_reference or matches_the_reference or no_rows"],
+                          env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]

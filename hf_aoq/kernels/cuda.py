@@ -48,7 +48,8 @@ SCALED_MM = capability(  # per-tensor float8 scaling: sm89
     "cuda:scaled_mm", "cuda", lambda d: _sm_at_least(8, 9)(d) and torch_at_least("2.5") and hasattr(torch, "_scaled_mm")
 )
 SCALED_MM_ROWWISE = capability(  # row-wise scaling (CUTLASS on sm90, cuBLAS later): e4m3 x e4m3, bf16 out
-    "cuda:scaled_mm_rowwise", "cuda", lambda d: _sm_at_least(9, 0)(d) and torch_at_least("2.5") and hasattr(torch, "_scaled_mm"),
+    "cuda:scaled_mm_rowwise", "cuda",
+    lambda d: _sm_at_least(9, 0)(d) and torch_at_least("2.5") and hasattr(torch, "_scaled_mm"),
 )
 
 
