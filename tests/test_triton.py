@@ -89,6 +89,22 @@ def test_int8_and_float8_gemv_match_the_reference(interpreted, name, dtype):
     assert (y.double() - ref).abs().max() <= 3e-2 * exact.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fused_int8_activation_quantizer_matches_torch_bit_for_bit(interpreted, dtype):
+    from hf_aoq.kernels.common import quantize_int8_per_token
+
+    triton_jit, _ = interpreted
+    torch.manual_seed(0)
+    for k in (576, 1000, 2048):
+        x = torch.randn(5, k, dtype=dtype) * 3
+        x[2] = 0  # an all-zero row: the 1e-12 floor
+        x[3, 7] = 1e4  # an outlier: every other code of its row rounds near 0, half to even
+        codes, scale = triton_jit.quantize_rows_int8(x)
+        expected_codes, expected_scale = quantize_int8_per_token(x)
+        assert torch.equal(codes, expected_codes) and torch.equal(scale, expected_scale), (dtype, k)
+    assert triton_jit.quantize_rows_int8(torch.randn(0, 64, dtype=dtype))[0].shape == (0, 64)
+
+
 COMPILE_FOR_H200 = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -114,6 +130,12 @@ for codes in ("*i8", "*fp8e4nv", "*fp8e5"):
     compiled = triton.compile(ASTSource(triton_jit.scaled_gemv_kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": triton_jit.NUM_WARPS})
     assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, codes
+for x in ("*bf16", "*fp16", "*fp32"):
+    signature = {"x_ptr": x, "q_ptr": "*i8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32",
+                 "BLOCK_K": "constexpr"}
+    compiled = triton.compile(ASTSource(triton_jit.quantize_rows_int8_kernel, signature,
+                                        {"BLOCK_K": triton_jit.QUANT_BLOCK_K}), target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, x
 print("ok")
 """
 
@@ -162,7 +184,7 @@ def test_the_interpreter_tests_run_somewhere():
         pytest.skip("the interpreter tests ran in this process")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                           "-k", "match_the_reference or matches_the_reference or no_rows"],
+                           "-k", "match_the_reference or matches_the_reference or no_rows or bit_for_bit"],
                           env=env, capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]

@@ -109,3 +109,39 @@ def scaled_gemv(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, grou
         HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )
     return y
+
+
+def quantize_rows_int8_body(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    """One row m of x: scale = max(amax / 127, 1e-12) and codes round(x / scale) clamped to
+    [-127, 127], rounding half to even, in float32: common.quantize_int8_per_token, bit for bit."""
+    m = tl.program_id(0)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    # div_rn: correctly rounded division (as torch's); Triton's `/` may be approximate on GPUs.
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-12)
+    tl.store(s_ptr + m, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        mask = offs < K
+        v = tl.math.div_rn(tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0).to(tl.float32), scale)
+        v = (v + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |v| < 2^22 to the nearest even integer
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+        tl.store(q_ptr + m * stride_qm + offs, v.to(tl.int8), mask=mask)
+
+
+quantize_rows_int8_kernel = triton.jit(quantize_rows_int8_body)
+QUANT_BLOCK_K = 1024
+
+
+def quantize_rows_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [M, K] and float32 scales [M, 1] of a 2-D activation with unit stride along K,
+    in one kernel (the torch version is eight)."""
+    m, k = x2.shape
+    codes = torch.empty(m, k, dtype=torch.int8, device=x2.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    if m:
+        quantize_rows_int8_kernel[(m,)](x2, codes, scale, k, x2.stride(0), codes.stride(0), BLOCK_K=QUANT_BLOCK_K)
+    return codes, scale

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from .common import FLOATS
-from .registry import capability, opaque_op, register_kernel
+from .common import FLOATS, quantize_int8_per_token
+from .registry import capability, capable, opaque_op, register_kernel
 
 
 def _triton_runs(device) -> bool:
@@ -92,3 +92,23 @@ def _scaled_triton_linear(x, w, bias):
 for _type, _name in (("Int8Tensor", "triton_int8_gemv"), ("Float8Tensor", "triton_fp8_gemv")):
     register_kernel("linear", _type, _name, backend="triton", priority=5, device="cuda", needs=(TRITON,),
                     when=_scaled_gemv_applies)(_scaled_triton_linear)
+
+
+# ---------------------------------------------------------------------- activation quantizer
+def _quantize_rows_out(x2):
+    return x2.new_empty(x2.shape, dtype=torch.int8), x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
+
+
+@opaque_op("quantize_rows_int8_triton", _quantize_rows_out)
+def quantize_rows_int8_op(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton_jit import quantize_rows_int8
+
+    return quantize_rows_int8(x2)
+
+
+def quantize_int8_per_token_fused(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """common.quantize_int8_per_token in one Triton kernel where triton runs on x2's GPU (bit for
+    bit the same codes and scales), else that function."""
+    if x2.device.type == "cuda" and capable((TRITON,), x2.device):
+        return quantize_rows_int8_op(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    return quantize_int8_per_token(x2)
