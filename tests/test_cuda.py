@@ -183,3 +183,19 @@ def test_triton_int4_gemv_on_the_gpu(n, k, group, rows):
     assert (y.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
     if n % 8:
         assert kernels.select_kernel("linear", x, q.place()).name == "triton_int4_gemv"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_int8_activation_quantizer_on_the_gpu(dtype):
+    """Bit for bit the torch version, on the GPU too (Triton's divisions there are div_rn)."""
+    pytest.importorskip("triton")
+    from hf_aoq.kernels.common import quantize_int8_per_token
+    from hf_aoq.kernels.triton_jit import quantize_rows_int8
+
+    torch.manual_seed(0)
+    x = torch.randn(33, 4096, dtype=dtype, device="cuda") * 3
+    x[1] = 0
+    x[2, 5] = 1e4
+    codes, scale = quantize_rows_int8(x)
+    expected_codes, expected_scale = quantize_int8_per_token(x)
+    assert torch.equal(scale, expected_scale) and torch.equal(codes, expected_codes)
