@@ -11,8 +11,9 @@ import torch
 
 # The interpreter must be on before triton is first imported: triton.language's own @jit
 # functions (tl.sum, ...) are made interpreted or compiled at import.
-if "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+_SETS_INTERPRET = "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
+if _SETS_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from hf_aoq import Int4Tensor, Int4WeightOnlyConfig, kernels  # noqa: E402
@@ -20,6 +21,14 @@ from hf_aoq.kernels import registry  # noqa: E402
 
 pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_only_here():
+    """The variable set above is this module's: later tests see the environment they had."""
+    yield
+    if _SETS_INTERPRET:
+        os.environ.pop("TRITON_INTERPRET", None)
 
 
 @pytest.fixture(scope="module")
