@@ -4,7 +4,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hf_aoq import AOQConfig, AOQTensor, FqnToConfig, Int4Tensor, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+from hf_aoq import (
+    AOQConfig,
+    AOQTensor,
+    Float8DynamicActivationFloat8WeightConfig,
+    Float8WeightOnlyConfig,
+    FqnToConfig,
+    Int4DQWeightOnlyConfig,
+    Int4Tensor,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+)
 
 from conftest import cpu_int4_packing
 
@@ -86,3 +97,43 @@ def test_checkpoint_saved_on_cuda_reloads_on_cpu(llama_dir, ids, tmp_path):
     assert_close_logits(logits(cpu, ids), expected)
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path), device_map="cuda")
     assert torch.equal(logits(again, ids), expected)
+
+
+EVERY_TYPE = {
+    "int4": Int4WeightOnlyConfig(group_size=64),
+    "int8": Int8WeightOnlyConfig(),
+    "int8-dynamic": Int8DynamicActivationInt8WeightConfig(),
+    "fp8": Float8WeightOnlyConfig(),
+    "fp8-dynamic": Float8DynamicActivationFloat8WeightConfig(),
+    "int4dq": Int4DQWeightOnlyConfig(),
+}
+
+
+@pytest.mark.parametrize("name", list(EVERY_TYPE))
+def test_every_type_moves_between_cpu_and_cuda(llama_dir, ids, tmp_path, name):
+    """Saved on CPU, loaded on CUDA (and the other way round): the same canonical fields, and
+    logits close to the CPU model's."""
+    recipe = FqnToConfig({"_default": EVERY_TYPE[name]})
+    cpu = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=AOQConfig(recipe))
+    cpu.save_pretrained(tmp_path / "from_cpu")
+    gpu = AutoModelForCausalLM.from_pretrained(str(tmp_path / "from_cpu"), device_map="cuda")
+    assert {p.device.type for p in gpu.parameters()} == {"cuda"}
+    for pname, t in quantized(cpu).items():
+        mine, theirs = t.to_canonical(), quantized(gpu)[pname].to_canonical()
+        for field, value in mine.tensor_fields().items():
+            assert torch.equal(value, getattr(theirs, field).cpu()), (pname, field)
+    assert_close_logits(logits(gpu, ids), logits(cpu, ids))
+    gpu.save_pretrained(tmp_path / "from_cuda")
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "from_cuda"))
+    assert {p.device.type for p in back.parameters()} == {"cpu"}
+    assert torch.equal(logits(back, ids), logits(cpu, ids))
+
+
+@pytest.mark.parametrize("name", ["int4", "int8-dynamic", "fp8-dynamic"])
+def test_generate_on_cuda(llama_dir, name):
+    """Decoding runs one row per step (the fp8 per-row path that crashed at one row)."""
+    recipe = FqnToConfig({"_default": EVERY_TYPE[name]})
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=AOQConfig(recipe), device_map="cuda")
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert out.shape == (1, 13) and out.is_cuda

@@ -349,13 +349,25 @@ def _to_copy(func, types, args, kwargs):
     out = self
     device = kwargs.get("device")
     dtype = kwargs.get("dtype")
-    if device is not None and torch.device(device) != self.device:
+    if device is not None and not same_device(device, self.device):
         out = out._to_device(torch.device(device))
     if dtype is not None and dtype != self.dtype:
         out = out._to_dtype(dtype)
     if out is self:
         out = self.apply_to_tensors(torch.clone)
     return out
+
+
+def same_device(a, b) -> bool:
+    """Whether two devices are one: `torch.device("cuda")` is the current CUDA device, which
+    compares unequal to `cuda:0` (so `.to("cuda")` would repack a weight already there)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index == b.index:
+        return True
+    current = torch.cuda.current_device() if a.type == "cuda" else None
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def _metadata(t: AOQTensor) -> tuple:

@@ -15,7 +15,8 @@ undoes it (`get_packing`). Kernels that call C++ or ops Inductor cannot lower go
 The backends, one file each, register their rows: reference.py (dequantize, then the float op:
 every type, every packing, every device; what tests compare against), cpu.py (aten's CPU int4
 and int8 kernels and hf_aoq's own C++ ones, csrc/), cuda.py (tinygemm, `_int_mm`,
-`_scaled_mm`). Adding a kernel is one `register_kernel` row in its backend's file (plus a
+`_scaled_mm`; tinygemm_layout.py transcribes tinygemm's int4 layout), triton_kernels.py (Triton
+kernels, triton_jit.py, where triton is installed). Adding a kernel is one `register_kernel` row in its backend's file (plus a
 `register_packing` if it reads a layout of its own); adding a tensor type adds its name to
 reference.TYPES and its rows, nothing else here. Kernels see weights only through their
 declared fields (`w.qdata`, `w.scale`, ...), so this package imports no tensor type.
@@ -54,5 +55,5 @@ def embedding(indices: torch.Tensor, weight, padding_idx=None) -> torch.Tensor:
     return select_kernel("embedding", indices, weight).fn(indices, weight, padding_idx)
 
 
-from . import reference, cpu, cuda  # noqa: E402,F401  (populate the table)
+from . import reference, cpu, cuda, triton_kernels  # noqa: E402,F401  (populate the table)
 from .search import int4dq_search  # noqa: E402,F401

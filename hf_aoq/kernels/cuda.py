@@ -1,7 +1,14 @@
 """CUDA kernels: tinygemm int4, `_int_mm` int8, `_scaled_mm` float8, and the tinygemm packing.
 
-Written against aten's documented contracts and kept honest on CPU-only machines by the shared
-reference kernels: every test that runs these compares them with `reference.py` on a GPU.
+Each row meets the contract of the aten kernel it calls, as aten's CUDA sources check it (the
+meta functions check only part of it): tinygemm takes bf16 A only (other float activations are
+cast to bf16 and back), `_int_mm` more than 16 rows and K, N multiples of 8, `_scaled_mm` K, N
+multiples of 16, a row-major mat1 and a column-major mat2, never e5m2 x e5m2, and 2-D
+[M, 1] x [1, N] scales for row-wise scaling (bf16 output). An empty batch (M = 0) returns an
+empty output without launching anything. What the GPU and the torch build allow (compute
+capability, torch version, NVIDIA rather than ROCm) are capabilities, probed once per device.
+tests/test_cuda_contracts.py runs every path here on a CPU build (FakeTensorMode), and
+tinygemm_layout.py is the oracle for the packing.
 """
 from __future__ import annotations
 
@@ -9,50 +16,78 @@ import torch
 import torch.nn.functional as F
 
 from ..core.primitives import pack_int4, unpack_int4
-from .common import INT4_GROUP_SIZES, int4_padded_k, pad_input, pad_int4_codes, quantize_int8_per_token, scale_and_zero
+from .common import FLOATS, INT4_GROUP_SIZES, int4_padded_k, pad_input, pad_int4_codes, scale_and_zero
 from .nibbles import unpack_nibbles
-from .registry import Packing, capability, register_kernel, register_packing
+from .registry import Packing, capability, capable, register_kernel, register_packing
+from .tinygemm_layout import inner_k_tiles, tinygemm_pack, tinygemm_unpack
+from .triton_kernels import quantize_int8_per_token_fused
 
 aten = torch.ops.aten
 
 
-def _sm_at_least(version: tuple[int, int]):
-    return lambda device: torch.cuda.get_device_capability(device) >= version
+def torch_at_least(version: str) -> bool:
+    return torch.torch_version.TorchVersion(torch.__version__) >= version
 
 
-# Compute capabilities, probed once per GPU (see registry.capable).
-SM80 = capability("cuda:sm80", "cuda", _sm_at_least((8, 0)))  # tinygemm
-SM89 = capability("cuda:sm89", "cuda", _sm_at_least((8, 9)))  # float8 _scaled_mm
+def _nvidia(device) -> bool:
+    return torch.version.hip is None
 
 
-def _pad_rows(x2: torch.Tensor, multiple: int, minimum: int = 0) -> tuple[torch.Tensor, int]:
-    m = x2.shape[0]
-    target = max(-(-m // multiple) * multiple, minimum)
-    return (F.pad(x2, (0, 0, 0, target - m)) if target != m else x2), m
+def _sm_at_least(major: int, minor: int):
+    return lambda device: _nvidia(device) and tuple(torch.cuda.get_device_capability(device)) >= (major, minor)
+
+
+# Probed once per GPU (see registry.capable). ROCm builds have other tinygemm tiles and float8
+# "fnuz" formats, so these rows are NVIDIA's; on ROCm the reference kernels run.
+TINYGEMM = capability(  # uint8 input to _convert_weight_to_int4pack: torch >= 2.5; mma.sync bf16: sm80
+    "cuda:tinygemm", "cuda",
+    lambda d: _sm_at_least(8, 0)(d) and torch_at_least("2.5") and hasattr(aten, "_weight_int4pack_mm"),
+)
+INT_MM = capability("cuda:int_mm", "cuda", lambda d: _sm_at_least(7, 5)(d) and hasattr(torch, "_int_mm"))
+SCALED_MM = capability(  # per-tensor float8 scaling: sm89
+    "cuda:scaled_mm", "cuda", lambda d: _sm_at_least(8, 9)(d) and torch_at_least("2.5") and hasattr(torch, "_scaled_mm")
+)
+SCALED_MM_ROWWISE = capability(  # row-wise scaling (CUTLASS on sm90, cuBLAS later): e4m3 x e4m3, bf16 out
+    "cuda:scaled_mm_rowwise", "cuda",
+    lambda d: _sm_at_least(9, 0)(d) and torch_at_least("2.5") and hasattr(torch, "_scaled_mm"),
+)
+
+
+def _tinygemm_layout_probe(device) -> bool:
+    """Whether aten's packer writes the layout tinygemm_layout.py transcribes, on this GPU."""
+    codes = torch.randint(0, 16, (16, 128), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    try:
+        packed = aten._convert_weight_to_int4pack(((codes[:, 0::2] << 4) | codes[:, 1::2]).to(device), 4).cpu()
+    except RuntimeError:
+        return False
+    return packed.dtype == torch.int32 and torch.equal(packed, tinygemm_pack(codes, 4))
+
+
+# The layout is then undone directly instead of through a nibble probe (nibbles.py).
+TINYGEMM_LAYOUT = capability("cuda:tinygemm_layout", "cuda", _tinygemm_layout_probe)
+
+
+def _no_rows(x: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The output for an empty batch (an MoE expert without tokens): aten's kernels launch an
+    empty grid (tinygemm) or refuse it."""
+    return x.new_empty((*x.shape[:-1], n), dtype=dtype)
 
 
 # ---------------------------------------------------------------------- int4 (tinygemm)
-def _inner_k_tiles(k: int) -> int:
-    for tiles in (8, 4, 2):
-        if k % (tiles * 16) == 0:
-            return tiles
-    return 0
-
-
 def _tinygemm_pack_fn(k: int):
-    tiles = _inner_k_tiles(k)
+    tiles = inner_k_tiles(k)
 
     def pack(codes: torch.Tensor) -> torch.Tensor:
         # tinygemm reads each byte high nibble first.
         codes = codes.to(torch.uint8)
-        return aten._convert_weight_to_int4pack((codes[:, 0::2] << 4) | codes[:, 1::2], tiles)
+        return aten._convert_weight_to_int4pack(((codes[:, 0::2] << 4) | codes[:, 1::2]).contiguous(), tiles)
 
     return pack
 
 
 def _tinygemm_available(w) -> bool:
     n, k = w.shape
-    return w.block_size[-1] in INT4_GROUP_SIZES and n % 8 == 0 and _inner_k_tiles(int4_padded_k(w)) > 0
+    return w.block_size[-1] in INT4_GROUP_SIZES and n % 8 == 0 and inner_k_tiles(int4_padded_k(w)) > 0
 
 
 def pack_int4_for_tinygemm(w):
@@ -66,75 +101,119 @@ def pack_int4_for_tinygemm(w):
 def unpack_int4_from_tinygemm(w):
     n, k = w.shape
     kp = int4_padded_k(w)
-    codes = unpack_nibbles(w.qdata, n, kp, _tinygemm_pack_fn(kp))[:, :k]
+    if capable((TINYGEMM_LAYOUT,), w.qdata.device):
+        codes = tinygemm_unpack(w.qdata, n, kp)[:, :k]
+    else:
+        codes = unpack_nibbles(w.qdata, n, kp, _tinygemm_pack_fn(kp))[:, :k]
     return w.replace(qdata=pack_int4(codes), scale=w.scale[..., 0].t().contiguous(), packing=None)
 
 
 register_packing(
     Packing("cuda_tinygemm", "Int4Tensor", "cuda", 10, _tinygemm_available, pack_int4_for_tinygemm,
-            unpack_int4_from_tinygemm, needs=(SM80,))
+            unpack_int4_from_tinygemm, needs=(TINYGEMM,))
 )
 
 
-def _bf16_input(x, w) -> bool:
-    return x.dtype == torch.bfloat16
+def _float_input(x, w) -> bool:
+    return x.dtype in FLOATS
 
 
 @register_kernel("linear", "Int4Tensor", "cuda_tinygemm", backend="cuda", priority=10, reads=("cuda_tinygemm",),
-                 device="cuda", needs=(SM80,), when=_bf16_input)
+                 device="cuda", needs=(TINYGEMM,), when=_float_input)
 def int4_tinygemm_linear(x, w, bias):
-    k = w.shape[1]
+    """tinygemm reads bf16 activations only: fp16 and fp32 ones are cast to bf16 and the output
+    back (the reference would unpack the weight on every call)."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return _no_rows(x, n, x.dtype)
     sz = w.scale if w.scale.dtype == torch.bfloat16 else w.scale.to(torch.bfloat16)
-    x2 = pad_input(x.reshape(-1, k), int4_padded_k(w)).contiguous()
-    y = aten._weight_int4pack_mm(x2, w.qdata, w.block_size[-1], sz)
+    a = pad_input(x2.to(torch.bfloat16), int4_padded_k(w)).contiguous()
+    y = aten._weight_int4pack_mm(a, w.qdata, w.block_size[-1], sz)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 # ---------------------------------------------------------------------- int8 dynamic (_int_mm)
+INT_MM_MIN_ROWS = 17  # _int_mm needs more than 16 rows
+
+
 def _int_mm_applies(x, w) -> bool:
     n, k = w.shape
-    return w.act_quant == "per_token" and tuple(w.block_size) == (1, k) and k % 8 == 0 and n % 8 == 0
+    return (w.act_quant == "per_token" and tuple(w.block_size) == (1, k) and k % 8 == 0 and n % 8 == 0
+            and x.dtype in FLOATS)
 
 
-@register_kernel("linear", "Int8Tensor", "cuda_int_mm", backend="cuda", priority=10, device="cuda", when=_int_mm_applies)
+@register_kernel("linear", "Int8Tensor", "cuda_int_mm", backend="cuda", priority=10, device="cuda", needs=(INT_MM,),
+                 when=_int_mm_applies)
 def int8_dynamic_cuda_linear(x, w, bias):
-    k = w.shape[1]
-    xq, x_scale = quantize_int8_per_token(x.reshape(-1, k))
-    # _int_mm needs more than 16 rows; padding rows cost nothing next to the weight read.
-    xq, m = _pad_rows(xq, 8, minimum=32)
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return _no_rows(x, n, x.dtype)
+    xq, x_scale = quantize_int8_per_token_fused(x2)  # one Triton kernel where triton runs
+    if m < INT_MM_MIN_ROWS:  # padding rows cost nothing next to the weight read
+        xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - m))
     acc = torch._int_mm(xq, w.qdata.t())[:m]
     y = acc.float() * x_scale * w.scale.reshape(1, -1).float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 # ---------------------------------------------------------------------- float8 dynamic (_scaled_mm)
-def _scaled_mm_applies(x, w) -> bool:
+def _scaled_mm_operands(x, w) -> bool:
+    """What both float8 rows need: dynamic activations, K and N multiples of 16, a float input,
+    and not e5m2 x e5m2 ("Multiplication of two Float8_e5m2 matrices is not supported")."""
     n, k = w.shape
-    if not (w.act_quant is not None and k % 16 == 0 and n % 16 == 0):
+    if w.act_quant is None or k % 16 or n % 16 or x.dtype not in FLOATS:
         return False
-    if w.act_quant == "per_row":
-        return tuple(w.block_size) == (1, k) and x.dtype == torch.bfloat16
-    return tuple(w.block_size) == (n, k)
+    return not (w.qdata.dtype == torch.float8_e5m2 and (w.act_dtype or w.qdata.dtype) == torch.float8_e5m2)
+
+
+def _per_tensor_scaled_mm_applies(x, w) -> bool:
+    return _scaled_mm_operands(x, w) and w.act_quant == "per_tensor" and tuple(w.block_size) == tuple(w.shape)
+
+
+def _rowwise_scaled_mm_applies(x, w) -> bool:
+    # Row-wise scaling takes e4m3 x e4m3 only, and one scale per output row of the weight.
+    e4m3 = w.qdata.dtype == torch.float8_e4m3fn and w.act_dtype in (None, torch.float8_e4m3fn)
+    return _scaled_mm_operands(x, w) and w.act_quant == "per_row" and e4m3 and tuple(w.block_size) == (1, w.shape[1])
+
+
+def _scaled_mm_linear(x, w, bias, rowwise: bool):
+    """Scaling follows the config (`act_quant`), never the scale's size: one activation row has
+    a [1, 1] row-wise scale. A transposed weight (x @ W, addmm) is copied on each call to the
+    column-major mat2 that `_scaled_mm` needs."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return _no_rows(x, n, x.dtype)
+    xq, x_scale = w.quantize_input(x2)
+    mat2 = w.qdata.t() if w.qdata.is_contiguous() else w.qdata.contiguous().t()
+    if rowwise:
+        scale_a = x_scale.float().reshape(m, 1).contiguous()
+        scale_b = w.scale.float().reshape(1, n).contiguous()
+        out_dtype = torch.bfloat16  # what every row-wise backend writes
+    else:
+        scale_a, scale_b = x_scale.float().reshape(()), w.scale.float().reshape(())
+        out_dtype = x.dtype
+    y = torch._scaled_mm(xq.contiguous(), mat2, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+@register_kernel("linear", "Float8Tensor", "cuda_scaled_mm_rowwise", backend="cuda", priority=10, device="cuda",
+                 needs=(SCALED_MM_ROWWISE,), when=_rowwise_scaled_mm_applies)
+def float8_rowwise_cuda_linear(x, w, bias):
+    return _scaled_mm_linear(x, w, bias, rowwise=True)
 
 
 @register_kernel("linear", "Float8Tensor", "cuda_scaled_mm", backend="cuda", priority=10, device="cuda",
-                 needs=(SM89,), when=_scaled_mm_applies)
-def float8_dynamic_cuda_linear(x, w, bias):
-    n, k = w.shape
-    x2 = x.reshape(-1, k)
-    xq, x_scale = w.quantize_input(x2)
-    xq, m = _pad_rows(xq, 16)
-    if x_scale.numel() > 1:
-        x_scale, _ = _pad_rows(x_scale, 16)
-        x_scale = x_scale.clamp(min=1e-12)
-    w_scale = w.scale.float().reshape(1, -1) if w.act_quant == "per_row" else w.scale.float().reshape(())
-    x_scale = x_scale.float() if x_scale.numel() > 1 else x_scale.float().reshape(())
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
-    y = torch._scaled_mm(xq, w.qdata.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)[:m]
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], n)
+                 needs=(SCALED_MM,), when=_per_tensor_scaled_mm_applies)
+def float8_per_tensor_cuda_linear(x, w, bias):
+    return _scaled_mm_linear(x, w, bias, rowwise=False)

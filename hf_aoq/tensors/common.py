@@ -176,8 +176,8 @@ class BlockGridTensor(AOQTensor):
         raise NotImplementedError(f"{type(self).__name__} does not quantize activations")
 
     def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "act_quant", None) is None:
-            return x
+        if getattr(self, "act_quant", None) is None or x.numel() == 0:
+            return x  # an empty batch has no scale to choose (a per-tensor amax would fail)
         codes, scale = self.quantize_input(x.reshape(-1, x.shape[-1]))
         return (codes.float() * scale).to(x.dtype).reshape(x.shape)
 

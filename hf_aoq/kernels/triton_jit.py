@@ -1,0 +1,147 @@
+"""Triton kernels (imported only where triton is installed; see triton_kernels.py for their rows).
+
+`int4_gemv_body` is a plain function made into a kernel by `triton.jit` here; tests jit it again
+under TRITON_INTERPRET=1 (CPU tensors) and compile it for sm90 without a GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N, BLOCK_K, NUM_WARPS = 64, 128, 4
+
+
+def int4_gemv_body(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_ym, stride_qn, stride_sn,
+                   GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row m (program axis 1) times BLOCK_N rows of an Int4Tensor in its canonical
+    layout: qdata uint8 [N, K/2] (low nibble = even k), scale and zero [N, ceil(K/g)];
+    w = (q - 8) * scale + zero, in float32, accumulated in float32."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds k = 2j (low) and 2j + 1 (high)
+        j_mask = offs_j < K // 2
+        mask = n_mask[:, None] & j_mask[None, :]
+        b = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_j[None, :], mask=mask, other=0).to(tl.int32)
+        lo = (b & 15).to(tl.float32) - 8.0
+        hi = ((b >> 4) & 15).to(tl.float32) - 8.0
+        grid = offs_n[:, None] * stride_sn + (offs_j[None, :] * 2) // GROUP
+        s = tl.load(s_ptr + grid, mask=mask, other=0).to(tl.float32)
+        w_lo = lo * s
+        w_hi = hi * s
+        if HAS_ZERO:
+            z = tl.load(z_ptr + grid, mask=mask, other=0).to(tl.float32)
+            w_lo = w_lo + z
+            w_hi = w_hi + z
+        xe = tl.load(x_ptr + m * stride_xm + offs_j * 2, mask=j_mask, other=0).to(tl.float32)
+        xo = tl.load(x_ptr + m * stride_xm + offs_j * 2 + 1, mask=j_mask, other=0).to(tl.float32)
+        acc += tl.sum(w_lo * xe[None, :] + w_hi * xo[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+int4_gemv_kernel = triton.jit(int4_gemv_body)
+
+
+def int4_gemv(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+              bias: torch.Tensor | None, group_size: int, n: int, k: int, kernel=None) -> torch.Tensor:
+    """[M, K] activations (any float dtype, unit stride along K) times the canonical int4 weight:
+    [M, N] in x's dtype. `kernel` overrides the jitted kernel (tests: the interpreter's)."""
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return y
+    grid = (triton.cdiv(n, BLOCK_N), m)
+    (kernel or int4_gemv_kernel)[grid](
+        x2, qdata, scale, zero if zero is not None else scale, bias if bias is not None else scale, y,
+        n, k, x2.stride(0), y.stride(0), qdata.stride(0), scale.stride(0),
+        GROUP=group_size, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )
+    return y
+
+
+def scaled_gemv_body(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, N, K, GROUP, stride_xm, stride_ym, stride_qn, stride_sn,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row m times BLOCK_N rows of int8 or float8 codes q [N, K] with
+    w = q * scale[n, k // GROUP] (GROUP = K and stride_sn = 0: one scale for the tensor)."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        mask = n_mask[:, None] & k_mask[None, :]
+        q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask).to(tl.float32)
+        q = tl.where(mask, q, 0.0)  # no `other`: float8 has no literal zero in every Triton backend
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_k[None, :] // GROUP, mask=mask, other=0).to(tl.float32)
+        x = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask, other=0).to(tl.float32)
+        acc += tl.sum(q * s * x[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+scaled_gemv_kernel = triton.jit(scaled_gemv_body)
+
+
+def scaled_gemv(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """[M, K] activations times int8 / float8 codes [N, K] (unit stride along K) scaled per row,
+    per group of `group_size` along K, or per tensor (a [1, 1] scale): [M, N] in x's dtype."""
+    m, k = x2.shape
+    n = qdata.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return y
+    per_tensor = scale.numel() == 1
+    scaled_gemv_kernel[(triton.cdiv(n, BLOCK_N), m)](
+        x2, qdata, scale, bias if bias is not None else scale, y, n, k, k if per_tensor else group_size,
+        x2.stride(0), y.stride(0), qdata.stride(0), 0 if per_tensor else scale.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )
+    return y
+
+
+def quantize_rows_int8_body(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+    """One row m of x: scale = max(amax / 127, 1e-12) and codes round(x / scale) clamped to
+    [-127, 127], rounding half to even, in float32: common.quantize_int8_per_token, bit for bit."""
+    m = tl.program_id(0)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    # div_rn: correctly rounded division (as torch's); Triton's `/` may be approximate on GPUs.
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 127.0), 1e-12)
+    tl.store(s_ptr + m, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        mask = offs < K
+        v = tl.math.div_rn(tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0).to(tl.float32), scale)
+        v = (v + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |v| < 2^22 to the nearest even integer
+        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
+        tl.store(q_ptr + m * stride_qm + offs, v.to(tl.int8), mask=mask)
+
+
+quantize_rows_int8_kernel = triton.jit(quantize_rows_int8_body)
+QUANT_BLOCK_K = 1024
+
+
+def quantize_rows_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [M, K] and float32 scales [M, 1] of a 2-D activation with unit stride along K,
+    in one kernel (the torch version is eight)."""
+    m, k = x2.shape
+    codes = torch.empty(m, k, dtype=torch.int8, device=x2.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    if m:
+        quantize_rows_int8_kernel[(m,)](x2, codes, scale, k, x2.stride(0), codes.stride(0), BLOCK_K=QUANT_BLOCK_K)
+    return codes, scale

@@ -1,0 +1,114 @@
+"""Rows of the kernel table that run Triton kernels (triton_jit.py), on CUDA devices where
+triton is installed. This module does not import triton: the rows are always in the table, and
+their capability says whether triton can run here.
+
+The GEMVs read the canonical layouts, at up to TRITON_GEMV_MAX_ROWS rows. int4: placement packs
+for tinygemm where that runs, so today this row serves the int4 weights tinygemm cannot take (N
+not a multiple of 8, ROCm, torch < 2.5); whether it should replace tinygemm at decode waits on
+GPU figures (scripts/gpu_bench.py). int8 and float8 weight-only: the codes read in place instead
+of the reference's dequantization to a float weight on every call."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from .common import FLOATS, quantize_int8_per_token
+from .registry import capability, capable, opaque_op, register_kernel
+
+
+def _triton_runs(device) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.version.hip is not None or tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
+
+
+TRITON = capability("cuda:triton", "cuda", _triton_runs)
+TRITON_GEMV_MAX_ROWS = 8  # above this, one dequantization and cuBLAS (the reference) do better
+
+
+def _gemv_out(x2, qdata, scale, zero, bias, group_size, n, k):
+    return x2.new_empty(x2.shape[0], n)
+
+
+@opaque_op("int4_gemv_triton", _gemv_out)
+def int4_gemv_op(
+    x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], group_size: int, n: int, k: int,
+) -> torch.Tensor:
+    from .triton_jit import int4_gemv
+
+    return int4_gemv(x2, qdata, scale, zero, bias, group_size, n, k)
+
+
+def _int4_gemv_applies(x, w) -> bool:
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    contiguous = w.qdata.is_contiguous() and w.scale.is_contiguous() and (w.zero is None or w.zero.is_contiguous())
+    return x.dtype in FLOATS and rows <= TRITON_GEMV_MAX_ROWS and contiguous
+
+
+@register_kernel("linear", "Int4Tensor", "triton_int4_gemv", backend="triton", priority=5, device="cuda",
+                 needs=(TRITON,), when=_int4_gemv_applies)
+def int4_triton_linear(x, w, bias):
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = int4_gemv_op(x2, w.qdata, w.scale, w.zero, bias, w.block_size[-1], n, k)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------- int8 / float8 weight-only
+@opaque_op("scaled_gemv_triton", lambda x2, qdata, scale, group_size, bias: x2.new_empty(x2.shape[0], qdata.shape[0]))
+def scaled_gemv_op(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    from .triton_jit import scaled_gemv
+
+    return scaled_gemv(x2, qdata, scale, group_size, bias)
+
+
+def _scaled_gemv_applies(x, w) -> bool:
+    """Weight-only codes read in place: few rows, codes with unit stride along K (not a
+    transposed weight), one scale per row, per group along K or per tensor."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    n = w.qdata.shape[0]
+    block = tuple(w.block_size)
+    return (w.act_quant is None and x.dtype in FLOATS and rows <= TRITON_GEMV_MAX_ROWS and w.qdata.stride(-1) == 1
+            and (block[0] == 1 or block == (n, k)) and w.scale.stride(-1) == 1)
+
+
+def _scaled_triton_linear(x, w, bias):
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = scaled_gemv_op(x2, w.qdata, w.scale, w.block_size[-1], bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+for _type, _name in (("Int8Tensor", "triton_int8_gemv"), ("Float8Tensor", "triton_fp8_gemv")):
+    register_kernel("linear", _type, _name, backend="triton", priority=5, device="cuda", needs=(TRITON,),
+                    when=_scaled_gemv_applies)(_scaled_triton_linear)
+
+
+# ---------------------------------------------------------------------- activation quantizer
+def _quantize_rows_out(x2):
+    return x2.new_empty(x2.shape, dtype=torch.int8), x2.new_empty((x2.shape[0], 1), dtype=torch.float32)
+
+
+@opaque_op("quantize_rows_int8_triton", _quantize_rows_out)
+def quantize_rows_int8_op(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton_jit import quantize_rows_int8
+
+    return quantize_rows_int8(x2)
+
+
+def quantize_int8_per_token_fused(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """common.quantize_int8_per_token in one Triton kernel where triton runs on x2's GPU (bit for
+    bit the same codes and scales), else that function."""
+    if x2.device.type == "cuda" and capable((TRITON,), x2.device):
+        return quantize_rows_int8_op(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    return quantize_int8_per_token(x2)

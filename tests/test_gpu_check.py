@@ -1,0 +1,51 @@
+"""scripts/gpu_check.sh and scripts/gpu_bench.py on a machine without a GPU: the dry run says
+what would run and touches nothing; the benchmark lists the cases the issue asks for."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_prints_the_steps_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    steps = [line for line in done.stdout.splitlines() if line.startswith("+ ")]
+    text = "\n".join(steps)
+    for expected in ("tests/test_cuda.py", "tests/test_transformers_cuda.py", "tests/test_cuda_contracts.py",
+                     "-k compile", "scripts/gpu_bench.py --out " + str(out / "bench.json"),
+                     str(out / "tests.xml"), str(out / "env.json")):
+        assert expected in done.stdout, expected
+    assert all(s.startswith("+ timeout") or "timeout" in s for s in steps if "python" in s)  # every step is bounded
+    assert not out.exists() and not (ROOT / "gpu_check_out").exists()
+
+
+def test_unknown_arguments_are_refused():
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--nope"], capture_output=True, text=True)
+    assert done.returncode == 2 and "usage" in done.stderr
+
+
+def test_the_benchmark_covers_every_scheme_at_1_16_and_512_rows():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    listed = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--list"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    cases = json.loads(listed.stdout)
+    assert {(c["scheme"], c["rows"]) for c in cases} >= {
+        (s, m) for s in ("int4", "int4dq", "int8", "int8-dynamic", "fp8", "fp8-dynamic") for m in (1, 16, 512)
+    }
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_bench
+    finally:
+        sys.path.pop(0)
+    for scheme in gpu_bench.SCHEMES:
+        assert gpu_bench.config_of(scheme) is not None
+    no_gpu = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert no_gpu.returncode == 2 and "no CUDA device" in no_gpu.stderr
