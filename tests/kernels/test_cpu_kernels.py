@@ -1,7 +1,7 @@
 """The CPU kernels and packings (kernels/cpu.py): hf_aoq's own C++ kernels (csrc/) against the
 reference, on both of their paths (GEMV at few rows, dequantize + GEMM at many) and on the
 shapes their blocking treats apart; the packings' round trips; aten's kernels on awkward inputs.
-tests/test_no_cpu_ext.py runs this module again without the extension."""
+tests/kernels/test_no_cpu_ext.py runs this module again without the extension."""
 import pytest
 import torch
 import torch.nn.functional as F

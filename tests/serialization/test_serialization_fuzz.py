@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hf_aoq import AOQTensor, FormatError
 from hf_aoq import serialization as S
 
-FIXTURE = Path(__file__).parent / "fixtures" / "v1_model.safetensors"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "v1_model.safetensors"
 DATA = FIXTURE.read_bytes()
 (HEADER_LEN,) = struct.unpack("<Q", DATA[:8])
 with safetensors.safe_open(str(FIXTURE), "pt") as _f:
