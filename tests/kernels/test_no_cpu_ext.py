@@ -99,7 +99,8 @@ PRETRAINED = textwrap.dedent(
     import hf_aoq
     from hf_aoq import AOQConfig, kernels
     from hf_aoq.kernels import cpu_ext
-    from conftest import sqnr, tiny_llama_checkpoint
+    from conftest import sqnr
+    from models import tiny_llama_checkpoint
 
     assert cpu_ext.load() is None
     tiny_llama_checkpoint("float")
