@@ -320,7 +320,7 @@ class AOQHfQuantizer(HfQuantizer):
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from .. import calibration, perplexity
+        from ... import calibration, perplexity
 
         config = self.quantization_config
         path = config.calibration
