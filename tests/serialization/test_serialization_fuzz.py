@@ -133,7 +133,10 @@ def locations(node, out):
 def mutate_json(data, doc):
     """Replace, delete, add or swap one to three nodes of a JSON tree, in place."""
     for _ in range(data.draw(st.integers(1, 3))):
-        container, key = data.draw(st.sampled_from(locations(doc, [])))
+        places = locations(doc, [])
+        if not places:
+            return  # every node deleted: nothing left to mutate
+        container, key = data.draw(st.sampled_from(places))
         op = data.draw(st.sampled_from(["replace", "delete", "add", "swap"]))
         if op == "replace":
             container[key] = data.draw(json_values)
