@@ -69,7 +69,7 @@ def test_int4_kernel_float32_matches_reference(n, k, g, scale_dtype):
 @pytest.mark.parametrize("n,k,g", [(64, 256, 32), (80, 384, 128), (48, 512, 256), (16, 128, 64)])
 def test_int4_kernel_through_int16_activation_codes(n, k, g):
     """Half-precision activations, any number of rows: the kernel computes with int16 activation
-    codes (int_cpu.cpp), on 32-row blocks (vector code) and 16-row ones (scalar code), one row and
+    codes (int4_pairs.h), on 32-row blocks (vector code) and 16-row ones (scalar code), one row and
     row pairs. It gives what the definition gives, up to float32 rounding, and stays within the
     stated tolerance of the exact product: half a code step per activation times |w|. A row's
     result does not depend on the rows computed with it."""
