@@ -29,8 +29,8 @@ from torch import nn
 
 from .configs import AOQBaseConfig, FqnToConfig, Int4WeightOnlyConfig
 from .core.errors import AOQError
-from .core.tensor import AOQTensor
 from .core.primitives import pack_int4
+from .quantize import Decision, carry_out, plan, set_quantized
 from .tensors.int4 import QMAX, QMIN, Int4Tensor, choose_int4_qparams
 
 MID = (QMIN + QMAX + 1) // 2
@@ -153,14 +153,13 @@ def quantize_with_calibration(
     block by block: the inputs of block 0 are recorded once, and each block then runs on the
     outputs of the block before it, already quantized. Other int4 linears are calibrated on a
     full forward pass at the end."""
-    from .quantize import quantize_
-
     batches = [b if b.ndim == 2 else b.unsqueeze(0) for b in batches]
     if not batches:
         raise AOQError("calibration needs at least one batch of token ids")
     report = CalibrationReport(tokens=sum(b.numel() for b in batches))
     start_time = time.perf_counter()
-    targets = _int4_linears(model, config, filter_fn)
+    decisions = plan(model, config, filter_fn=filter_fn)
+    targets = _int4_linears(model, decisions)
 
     blocks: dict[str, dict[int, list[str]]] = {}
     rest = []
@@ -181,7 +180,7 @@ def quantize_with_calibration(
                 names = by_index.get(i, [])
                 if names:
                     grams = _grams(targets, names, lambda: [layers[i](*a, **k) for a, k in inputs])
-                    _quantize_from_grams(targets, names, grams, damping, report)
+                    _quantize_from_grams(model, targets, names, grams, damping, report)
                     if log is not None:
                         log(f"calibrated {prefix}.{i} ({len(names)} weights)")
                 if i + 1 < len(layers):
@@ -189,32 +188,21 @@ def quantize_with_calibration(
             del inputs
         if rest:
             grams = _grams(targets, rest, lambda: [model(ids) for ids in batches])
-            _quantize_from_grams(targets, rest, grams, damping, report)
+            _quantize_from_grams(model, targets, rest, grams, damping, report)
 
-    # Everything else (other configs, tied or embedding weights) as quantize_ would.
-    quantize_(model, config, filter_fn)
+    # Everything else in the plan (other configs, weights not only linears read) as quantize_ does.
+    carry_out(model, {n: d for n, d in decisions.items() if n.removesuffix(".weight") not in targets})
     report.seconds = time.perf_counter() - start_time
     return report
 
 
-def _int4_linears(model, config, filter_fn) -> dict[str, tuple[nn.Linear, Int4WeightOnlyConfig]]:
-    """The linears whose weight resolves to an int4 config and is used by linears only."""
-    users: dict[int, list[nn.Module]] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            users.setdefault(id(p), []).append(m)
+def _int4_linears(model, decisions: dict[str, Decision]) -> dict[str, tuple[nn.Linear, Decision]]:
+    """{module name: (linear, decision)} for the planned int4 weights that linears alone read."""
     targets = {}
-    for fqn, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or isinstance(module.weight, AOQTensor):
-            continue
-        if filter_fn is not None and not filter_fn(module, fqn):
-            continue
-        if isinstance(config, FqnToConfig):
-            _, cfg = config.resolve(f"{fqn}.weight", fqn, module, "weight")
-        else:
-            cfg = config
-        if isinstance(cfg, Int4WeightOnlyConfig) and all(isinstance(u, nn.Linear) for u in users[id(module.weight)]):
-            targets[fqn] = (module, cfg)
+    for name, decision in decisions.items():
+        module_fqn, _, leaf = name.rpartition(".")
+        if leaf == "weight" and decision.place and isinstance(decision.config, Int4WeightOnlyConfig):
+            targets[module_fqn] = (model.get_submodule(module_fqn), decision)
     return targets
 
 
@@ -276,11 +264,11 @@ def _grams(targets, names, run) -> dict[str, torch.Tensor]:
     return grams
 
 
-def _quantize_from_grams(targets, names, grams, damping, report) -> None:
+def _quantize_from_grams(model, targets, names, grams, damping, report) -> None:
     report.gram_bytes_peak = max(report.gram_bytes_peak, sum(g.numel() * 4 for g in grams.values()))
     for name in names:
-        module, cfg = targets[name]
-        q = gptq_int4(module.weight.data, grams.pop(name), cfg, damping=damping, name=f"{name}.weight")
-        module.weight = nn.Parameter(q.place(), requires_grad=False)
+        module, decision = targets[name]
+        q = gptq_int4(module.weight.data, grams.pop(name), decision.config, damping=damping, name=f"{name}.weight")
+        set_quantized(model, f"{name}.weight", decision, q)
         report.calibrated.append(name)
     report.layers += 1

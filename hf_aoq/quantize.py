@@ -186,12 +186,21 @@ def quantize_(
     """
     if not isinstance(config, (AOQBaseConfig, FqnToConfig)):
         raise AOQError(f"quantize_ needs a quantization config or FqnToConfig, got {type(config).__name__}")
-    for name, decision in plan(model, config, filter_fn=filter_fn).items():
+    return carry_out(model, plan(model, config, filter_fn=filter_fn))
+
+
+def carry_out(model: nn.Module, decisions: Mapping[str, Decision]) -> nn.Module:
+    """Quantize each tensor of `decisions` (from `plan`) with its config, in place."""
+    for name, decision in decisions.items():
         q = decision.config.quantize_weight(model.get_parameter(name).detach(), name=name)
-        if decision.place:
-            q = q.place()
-        new_param = nn.Parameter(q, requires_grad=False)
-        for n in (name, *decision.tied):
-            module_name, leaf = _parent(n)
-            setattr(model.get_submodule(module_name), leaf, new_param)
+        set_quantized(model, name, decision, q)
     return model
+
+
+def set_quantized(model: nn.Module, name: str, decision: Decision, q: AOQTensor) -> None:
+    """Put `q`, the quantized value of the planned tensor `name`, under every name of that tensor
+    (one parameter, so ties stay tied), placed for F.linear's kernels when linears alone read it."""
+    new_param = nn.Parameter(q.place() if decision.place else q, requires_grad=False)
+    for n in (name, *decision.tied):
+        module_name, leaf = _parent(n)
+        setattr(model.get_submodule(module_name), leaf, new_param)

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from models import tiny_llama_checkpoint
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -44,33 +46,6 @@ def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if noise == 0:
         return float("inf")
     return float(10 * torch.log10(ref.pow(2).mean() / noise))
-
-
-def tiny_llama_checkpoint(path, *, seed: int = 0, vocab: int = 512, tie: bool = False):
-    """Save a tiny random bf16 Llama with a word-level tokenizer ("w3 w4 ...") to `path`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
-    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="session")

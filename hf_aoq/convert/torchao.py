@@ -173,15 +173,21 @@ def _int4_tensor(r: Record):
     return out, Int4WeightOnlyConfig(group_size=g, symmetric=symmetric), detail, want.to(dtype)
 
 
+def _int8_codes(r: Record):
+    """The int8 codes of a 2-D torchao weight and what frames them: (qdata, shape, dtype,
+    block_size, the block grid its scales and zero points must have)."""
+    qdata = r.tensor("qdata", (torch.int8,))
+    shape = _weight_2d(r, tuple(qdata.shape))
+    dtype = r.float_dtype("dtype")
+    block = r.ints("block_size", 2)
+    return qdata, shape, dtype, block, _grid(r, shape, block)
+
+
 def _int8_tensor(r: Record):
     """torchao Int8Tensor: qdata int8 [N, K], scale float32 per block, zero_point int8 (zero
     when symmetric); w = (q - zero_point) * scale. Optional dynamic per-row int8 activations."""
-    qdata = r.tensor("qdata", (torch.int8,))
-    shape = _weight_2d(r, tuple(qdata.shape))
+    qdata, shape, dtype, block, grid = _int8_codes(r)
     n, k = shape
-    dtype = r.float_dtype("dtype")
-    block = r.ints("block_size", 2)
-    grid = _grid(r, shape, block)
     scale = r.tensor("scale", tuple(FLOAT_DTYPES.values()), grid)
     zp = r.fields.get("zero_point")
     if zp is not None:
@@ -292,12 +298,8 @@ def _intx_tensor(r: Record):
     if not isinstance(bits_v, Dtype) or bits_v.name not in INT_DTYPES:
         raise r.fail(f"target_dtype {show(bits_v)} is not torch.int1 .. torch.int8")
     bits = INT_DTYPES[bits_v.name]
-    qdata = r.tensor("qdata", (torch.int8,))
-    shape = _weight_2d(r, tuple(qdata.shape))
+    qdata, shape, dtype, block, grid = _int8_codes(r)
     n, k = shape
-    dtype = r.float_dtype("dtype")
-    block = r.ints("block_size", 2)
-    grid = _grid(r, shape, block)
     act = r.attributes.get("activation_quantization")
     if act is not None:
         raise r.fail(f"activation_quantization {show(act)}: torchao quantizes activations asymmetrically per "

@@ -127,12 +127,12 @@ def _int4_layout_matches() -> bool:
     return packed.dtype == torch.uint8 and torch.equal(packed.contiguous().reshape(-1), avx2_int4pack_bytes(codes))
 
 
-# hf_aoq's own int4 kernel (csrc/int_cpu.cpp) reads its own "pairs" layout: per block of 32
-# rows (a last one may have 16) and per column pair, the two columns' codes of a row share one
-# 32-bit lane, which is what an integer multiply-add over column pairs needs. Half-precision
-# activations meet the codes as int16 codes at any number of rows (see int_cpu.cpp; 2048x5632,
-# bf16: 0.29 ms at batch 1 against 0.86 for aten's bf16 kernel, 25.6 ms at 256 rows against 37.6
-# for hf_aoq's dequantize + float32 GEMM).
+# hf_aoq's own int4 kernel (csrc/int4.cpp, on the templates of csrc/int4_pairs.h) reads its own
+# "pairs" layout: per block of 32 rows (a last one may have 16) and per column pair, the two
+# columns' codes of a row share one 32-bit lane, which is what an integer multiply-add over
+# column pairs needs. Half-precision activations meet the codes as int16 codes at any number of
+# rows (see int4_pairs.h; 2048x5632, bf16: 0.29 ms at batch 1 against 0.86 for aten's bf16
+# kernel, 25.6 ms at 256 rows against 37.6 for hf_aoq's dequantize + float32 GEMM).
 # Float32 activations: a float32 GEMV at few rows, chunked dequantize + float32 GEMM above.
 INT4_GEMV_MAX_ROWS = 12  # float32 activations: measured crossover, 2048x5632 and 5632x2048, 1 and 2 threads
 
@@ -220,7 +220,7 @@ def _contiguous_float_input(x, w) -> bool:
                  device="cpu", needs=(CPU_EXT,), when=_contiguous_float_input)
 def int4_ext_linear(x, w, bias):
     """Float32 activations: float32 compute on the exactly dequantized weight. Half-precision
-    activations meet the codes as int16 codes (see int_cpu.cpp), more precise than the
+    activations meet the codes as int16 codes (see int4_pairs.h), more precise than the
     reference, which rounds the weight to the activation dtype."""
     return int4_linear_io(x, w.qdata, w.scale, w.block_size[-1], _in_features(w), bias)
 
@@ -283,7 +283,7 @@ def int8_cpu_linear(x, w, bias):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-# hf_aoq's own int8 kernel (csrc/int_cpu.cpp), in float32: at batch 1 about as fast as aten's
+# hf_aoq's own int8 kernel (csrc/int8.cpp), in float32: at batch 1 about as fast as aten's
 # bf16 kernel and 10-30x its float32 kernel; at many rows a chunked dequantize (q * scale, as the
 # reference) + float32 GEMM, about 2x aten's bf16 kernel at 256 rows.
 INT8_GEMV_MAX_ROWS = 8  # measured crossover with dequantize + GEMM, 2048x5632, one thread
@@ -334,10 +334,11 @@ def float8_cpu_linear(x, w, bias):
 
 
 # ---------------------------------------------------------------------- Int4DQTensor
-# The int4 kernels of csrc/int_cpu.cpp with each group's scale and centre decoded from the
-# 4-bit indices (gparams) and the row grid (rparams, tparams) as the format defines them. The
-# codes are packed as Int4Tensor's; gparams are transposed to [G, N] so that one group's bytes
-# for a block of rows are contiguous. Its paths and crossover are Int4's (INT4_GEMV_MAX_ROWS).
+# The int4 kernels of csrc/int4_pairs.h (instantiated in csrc/int4dq.cpp) with each group's
+# scale and centre decoded from the 4-bit indices (gparams) and the row grid (rparams, tparams)
+# as the format defines them. The codes are packed as Int4Tensor's; gparams are transposed to
+# [G, N] so that one group's bytes for a block of rows are contiguous. Its paths and crossover
+# are Int4's (INT4_GEMV_MAX_ROWS).
 
 
 def _int4dq_packable(w) -> bool:

@@ -73,6 +73,18 @@ def loads_strict(text: str | bytes) -> Any:
         raise ValueError(f"not valid JSON: {short(str(e), 200)}") from None
 
 
+def load_json_object(text: str | bytes, source: str, what: str) -> dict:
+    """`loads_strict(text)`, which must be a JSON object; otherwise a FormatError naming `source`
+    and `what` the text is (e.g. "safetensors header")."""
+    try:
+        doc = loads_strict(text)
+    except ValueError as e:
+        raise error(source, f"{what}: {e}") from None
+    if type(doc) is not dict:
+        raise error(source, f"{what} must be a JSON object, got {short(doc)}")
+    return doc
+
+
 def _find_duplicate(text: str | bytes) -> str:
     """Where a duplicate key is (error path only): parse again, marking objects that have one."""
     mark = "\0duplicate"

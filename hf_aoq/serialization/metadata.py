@@ -10,7 +10,7 @@ import torch
 from ..core import registry
 from ..core.errors import AOQError, FormatError
 from ..core.tensor import AOQTensor
-from .common import NAME_LIMIT, error, gc_paused, loads_strict, reader_version, short
+from .common import NAME_LIMIT, error, gc_paused, load_json_object, reader_version, short
 
 FORMAT_VERSION = 1
 METADATA_KEY = "hf_aoq"  # the safetensors metadata key holding the JSON text
@@ -269,12 +269,7 @@ def read_metadata(
 
 
 def _parse_text(text: str, source: str) -> tuple[int, str, dict[str, TensorEntry]]:
-    try:
-        doc = loads_strict(text)
-    except ValueError as e:
-        raise error(source, f"{METADATA_KEY} metadata: {e}") from None
-    if type(doc) is not dict:
-        raise error(source, f"{METADATA_KEY} metadata must be a JSON object, got {short(doc)}")
+    doc = load_json_object(text, source, f"{METADATA_KEY} metadata")
     version = doc.get("format_version")
     writer = doc.get("hf_aoq_version")
     if type(writer) is str and len(writer) > 40:  # it is quoted in error messages only

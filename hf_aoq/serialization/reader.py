@@ -23,7 +23,7 @@ import safetensors
 import torch
 
 from ..core.registry import SAFETENSORS_DTYPES
-from .common import error, gc_paused, loads_strict, short
+from .common import error, gc_paused, load_json_object, short
 
 # Every dtype safetensors names; those torch has no dtype for (F4 packs two per byte, say) are
 # left to safetensors itself.
@@ -108,12 +108,7 @@ def _read_header(source: str) -> Header:
         text = text.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(source, f"safetensors header: not valid JSON: not UTF-8 ({e})") from None
-    try:
-        header = loads_strict(text)
-    except ValueError as e:
-        raise error(source, f"safetensors header: {e}") from None
-    if type(header) is not dict:
-        raise error(source, f"safetensors header must be a JSON object, got {short(header)}")
+    header = load_json_object(text, source, "safetensors header")
     metadata = header.pop("__metadata__", None)
     if metadata is not None and (
         type(metadata) is not dict or not all(type(v) is str for v in metadata.values())

@@ -19,7 +19,8 @@ def flatten_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str
     A quantized tensor `name` is put in its canonical layout and each present tensor field is
     stored, contiguous and on CPU, under `name:field`; plain tensors keep their name. Call it per
     shard: the metadata covers only the tensors given. Refuses (FormatError) names containing
-    ':', key collisions, unregistered types and attributes the format cannot hold."""
+    ':', key collisions, unregistered types, attributes the format cannot hold and layouts the
+    type's `check_fields` (the loader's check) refuses."""
     source = "<state dict>"
     registered = {cls: name for name, cls in registry.TENSOR_TYPES.items()}
     tensors: dict[str, torch.Tensor] = {}
@@ -48,6 +49,11 @@ def _flatten_one(name, value, registered, tensors, seen_storage, source) -> dict
     type_name = registered.get(cls)
     if type_name is None:
         raise error(source, f"{cls.__name__} is not a registered tensor type, so no reader could load it", name)
+    try:
+        cls.check_fields(canonical.fields())  # what the loader checks: never save what it refuses
+    except AOQError as e:  # its message starts "field 'f': ..." or "attribute 'a': ..."
+        raise FormatError(f"{source}: tensor {short(name, NAME_LIMIT)}, {e}; a loader refuses this layout, "
+                          f"so it is not saved") from None
     keys = {}
     for f, t in canonical.tensor_fields().items():
         t = t.detach().to("cpu").contiguous()

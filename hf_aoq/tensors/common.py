@@ -145,6 +145,12 @@ class DevicePacked:
     """Mixin for types with device packings (`packing` attribute, None when canonical): the
     packing registered in `hf_aoq.kernels` is undone for saving and chosen again per device."""
 
+    @classmethod
+    def check_fields(cls, fields) -> None:
+        super().check_fields(fields)
+        if fields.get("packing") is not None:
+            raise AOQError(f"attribute 'packing': {fields['packing']!r}; checkpoints hold the canonical layout only")
+
     def to_canonical(self):
         return self if self.packing is None else kernels.get_packing(self.packing).unpack(self)
 

@@ -83,8 +83,6 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
         check_grid_fields(fields, (torch.uint8,), codes_per_byte=2, partial_last_block=True)
         check_layout(fields, cls.__name__, f"(1, g) with g in {GROUP_SIZES}",
                      lambda b, shape: len(b) == 2 and b[0] == 1 and b[1] in GROUP_SIZES)
-        if fields.get("packing") is not None:
-            raise AOQError(f"attribute 'packing': {fields['packing']!r}; checkpoints hold the canonical layout only")
 
     @property
     def group_size(self) -> int:

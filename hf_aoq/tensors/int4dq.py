@@ -101,8 +101,6 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         tp = fields["tparams"]
         if tp.device.type != "meta" and not bool((torch.isfinite(tp) & (tp > 0)).all()):
             raise AOQError(f"field 'tparams': {tp.tolist()}, expected two finite positive numbers")
-        if fields.get("packing") is not None:
-            raise AOQError(f"attribute 'packing': {fields['packing']!r}; checkpoints hold the canonical layout only")
 
     @property
     def group_size(self) -> int:

@@ -47,7 +47,7 @@ def register() -> None:
     # transformers copies loading attributes (ours: `dequantize`) from the config given to
     # from_pretrained onto the checkpoint's only for the config types in this tuple, and has no
     # public hook to extend it. Without this, AOQConfig(dequantize=True) would be ignored with
-    # a warning; tests/test_transformers.py checks that it is honoured.
+    # a warning; tests/integrations/test_transformers.py checks that it is honoured.
     loading_types = getattr(_auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
     if isinstance(loading_types, tuple) and AOQConfig not in loading_types:
         _auto.LOADING_ATTRIBUTES_CONFIG_TYPES = loading_types + (AOQConfig,)

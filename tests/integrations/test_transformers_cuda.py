@@ -2,7 +2,7 @@
 "cuda" and "auto", and checkpoints moving between CPU and CUDA. Skipped without a GPU."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from hf_aoq import (
     AOQConfig,
@@ -18,6 +18,7 @@ from hf_aoq import (
 )
 
 from conftest import cpu_int4_packing
+from models import tiny_llama_checkpoint
 
 pytestmark = pytest.mark.cuda
 
@@ -27,18 +28,8 @@ RECIPE = FqnToConfig({"_default": Int4WeightOnlyConfig(group_size=64), "re:.*sel
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    )
     path = tmp_path_factory.mktemp("llama_cuda")
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    tiny_llama_checkpoint(path, hidden=256, intermediate=512, vocab=VOCAB, tokenizer=False)
     return str(path)
 
 

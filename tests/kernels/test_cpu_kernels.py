@@ -1,7 +1,7 @@
 """The CPU kernels and packings (kernels/cpu.py): hf_aoq's own C++ kernels (csrc/) against the
 reference, on both of their paths (GEMV at few rows, dequantize + GEMM at many) and on the
 shapes their blocking treats apart; the packings' round trips; aten's kernels on awkward inputs.
-tests/test_no_cpu_ext.py runs this module again without the extension."""
+tests/kernels/test_no_cpu_ext.py runs this module again without the extension."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,7 +69,7 @@ def test_int4_kernel_float32_matches_reference(n, k, g, scale_dtype):
 @pytest.mark.parametrize("n,k,g", [(64, 256, 32), (80, 384, 128), (48, 512, 256), (16, 128, 64)])
 def test_int4_kernel_through_int16_activation_codes(n, k, g):
     """Half-precision activations, any number of rows: the kernel computes with int16 activation
-    codes (int_cpu.cpp), on 32-row blocks (vector code) and 16-row ones (scalar code), one row and
+    codes (int4_pairs.h), on 32-row blocks (vector code) and 16-row ones (scalar code), one row and
     row pairs. It gives what the definition gives, up to float32 rounding, and stays within the
     stated tolerance of the exact product: half a code step per activation times |w|. A row's
     result does not depend on the rows computed with it."""

@@ -12,7 +12,7 @@ import torch
 from hf_aoq import FormatError
 from hf_aoq.serialization import read_safetensors, reader
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

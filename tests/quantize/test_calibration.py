@@ -189,3 +189,36 @@ def test_nested_numbered_modules_are_calibrated_on_their_own_inputs():
     exact = x @ expert_weight.t()
     got = sqnr(exact, x @ expert.weight.dequantize().t())
     assert got > sqnr(exact, x @ expected.dequantize().t()) - 0.05
+
+
+class TiedPair(nn.Module):
+    """Two linears that share one weight (one tensor under two names)."""
+
+    def __init__(self, width=64, vocab=50):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.first = nn.Linear(width, width, bias=False)
+        self.second = nn.Linear(width, width, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, ids):
+        return self.second(torch.relu(self.first(self.embed(ids))))
+
+
+def test_calibration_plans_with_quantize_plan_and_keeps_ties(monkeypatch):
+    # calibration.py decided which weights to calibrate by resolving configs itself; it now
+    # takes quantize.plan's decisions, so a tensor under two names is calibrated once and
+    # stays one tensor (it was calibrated twice, once per name, and came apart).
+    import hf_aoq.calibration as calibration
+
+    calls = []
+    real = calibration.plan
+    monkeypatch.setattr(calibration, "plan", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    torch.manual_seed(0)
+    model = TiedPair()
+    batches = [torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    cfg = Int4WeightOnlyConfig(32)
+    report = quantize_with_calibration(model, cfg, batches)
+    assert calls == [cfg]
+    assert report.calibrated == ["first"]
+    assert isinstance(model.first.weight, Int4Tensor) and model.second.weight is model.first.weight

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # tests/: conftest.py and models.py import from there
 
 
 def run_without_extension(args, tmp_path, timeout=900):
@@ -99,7 +99,8 @@ PRETRAINED = textwrap.dedent(
     import hf_aoq
     from hf_aoq import AOQConfig, kernels
     from hf_aoq.kernels import cpu_ext
-    from conftest import sqnr, tiny_llama_checkpoint
+    from conftest import sqnr
+    from models import tiny_llama_checkpoint
 
     assert cpu_ext.load() is None
     tiny_llama_checkpoint("float")
@@ -129,11 +130,11 @@ def test_from_pretrained_reload_runs_without_the_extension(kind, tmp_path):
 
 # The kernel test modules, run again without the extension (tests that need it skip there).
 MODULES = [
-    ["test_kernel_table.py"],
-    ["test_cpu_kernels.py"],
-    ["test_tensors.py"],
-    ["test_int4dq.py"],
-    ["test_quantize.py", "-k", "compile_matches_eager and Int8"],  # Inductor on aten's int8 kernel
+    ["kernels/test_kernel_table.py"],
+    ["kernels/test_cpu_kernels.py"],
+    ["tensors/test_tensors.py"],
+    ["tensors/test_int4dq.py"],
+    ["quantize/test_quantize.py", "-k", "compile_matches_eager and Int8"],  # Inductor on aten's int8 kernel
 ]
 
 

@@ -1,6 +1,6 @@
-"""hf_aoq's CPU kernels for the Int4DQ weight format (csrc/int_cpu.cpp: int4dq_linear,
-int4dq_row_params; csrc/linear_io.cpp: int4dq_linear_io) against a pure-torch reference of the
-format written here from its definition:
+"""hf_aoq's CPU kernels for the Int4DQ weight format (csrc/int4dq.cpp: int4dq_linear;
+csrc/int4dq_search.cpp: int4dq_row_params; csrc/linear_io.cpp: int4dq_linear_io) against a
+pure-torch reference of the format written here from its definition:
 
     qdata   uint8 [N, K/2]  codes q in [0, 15], low nibble = even column
     gparams uint8 [N, G]    per group: a (low nibble), b (high nibble)

@@ -17,7 +17,7 @@ from hf_aoq import model_card
 from hf_aoq.checkpoint import TensorInfo, format_bytes, read_checkpoint
 from hf_aoq.model_card import END, START
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("no_network")
 
 

@@ -4,7 +4,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hf_aoq import (
@@ -24,39 +23,7 @@ from hf_aoq import (
 )
 
 from conftest import cpu_int4_packing, sqnr
-
-
-class Block(nn.Module):
-    def __init__(self, d=64):
-        super().__init__()
-        self.q_proj = nn.Linear(d, d)
-        self.up = nn.Linear(d, 2 * d, bias=False)
-        self.down = nn.Linear(2 * d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + self.down(F.silu(self.up(self.norm(x)))) + self.q_proj(x)
-
-
-class Tiny(nn.Module):
-    def __init__(self, vocab=128, d=64, tied=False):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList([Block(d), Block(d)])
-        self.head = nn.Linear(d, vocab, bias=False)
-        if tied:
-            self.head.weight = self.embed.weight
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def tiny(dtype=torch.bfloat16, tied=False):
-    torch.manual_seed(0)
-    return Tiny(tied=tied).to(dtype).eval()
+from models import tiny_llama_config, tiny_model
 
 
 IDS = torch.tensor([[1, 5, 9, 77, 3, 0, 127]])
@@ -74,7 +41,7 @@ MODEL_CONFIGS = [
 
 @pytest.mark.parametrize("config,floor", MODEL_CONFIGS, ids=[type(c).__name__ + str(i) for i, (c, _) in enumerate(MODEL_CONFIGS)])
 def test_quantize_model_numerics(config, floor):
-    model = tiny()
+    model = tiny_model()
     with torch.no_grad():
         ref = model(IDS)
         q = quantize_(copy.deepcopy(model), config)
@@ -89,7 +56,7 @@ def test_quantize_model_numerics(config, floor):
 def test_compile_matches_eager(config):
     # float32, so that the comparison sees the kernels and not bf16 rounding of fused float ops
     # (which also moves dynamic-activation codes across rounding boundaries).
-    q = quantize_(tiny(torch.float32), config)
+    q = quantize_(tiny_model(torch.float32), config)
     with torch.no_grad():
         torch._dynamo.reset()
         compiled = torch.compile(q, fullgraph=True)
@@ -108,7 +75,7 @@ def _config_of(p):
 
 
 def test_fqn_to_config_precedence():
-    model = tiny(torch.float32)
+    model = tiny_model(torch.float32)
     recipe = FqnToConfig({
         "_default": Int4WeightOnlyConfig(64),
         "re:layers\\.\\d+\\.q_proj": Int8WeightOnlyConfig(),          # module regex
@@ -133,13 +100,13 @@ def test_fqn_to_config_precedence():
 
 
 def test_exact_bias_name_that_cannot_be_quantized_is_an_error():
-    model = tiny(torch.float32)
+    model = tiny_model(torch.float32)
     with pytest.raises(AOQError, match=r"layers.0.q_proj.bias: expected a 2-D weight"):
         quantize_(model, FqnToConfig({"layers.0.q_proj.bias": Int8WeightOnlyConfig()}))
 
 
 def test_first_matching_regex_wins_and_none_skips():
-    model = tiny(torch.float32)
+    model = tiny_model(torch.float32)
     quantize_(model, FqnToConfig({
         "re:layers\\.0\\..*": None,
         "re:layers\\..*": Int8WeightOnlyConfig(),
@@ -151,7 +118,7 @@ def test_first_matching_regex_wins_and_none_skips():
 
 
 def test_unknown_exact_names_warn():
-    model = tiny(torch.float32)
+    model = tiny_model(torch.float32)
     with pytest.warns(UserWarning, match="layers.9.up"):
         quantize_(model, FqnToConfig({"layers.9.up": Int8WeightOnlyConfig()}))
 
@@ -162,11 +129,11 @@ def test_bad_recipes_are_errors():
     with pytest.raises(AOQError, match="must be a quantization config or None"):
         FqnToConfig({"x": "int8"})
     with pytest.raises(AOQError, match="needs a quantization config"):
-        quantize_(tiny(), "int8")
+        quantize_(tiny_model(), "int8")
 
 
 def test_filter_fn_and_single_config():
-    model = tiny(torch.float32)
+    model = tiny_model(torch.float32)
     quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.startswith("layers.1"))
     assert isinstance(model.layers[1].up.weight, Int8Tensor)
     assert not isinstance(model.layers[0].up.weight, AOQTensor)
@@ -178,7 +145,7 @@ def test_filter_fn_and_single_config():
 
 
 def test_tied_weights_stay_tied():
-    model = tiny(torch.float32, tied=True)
+    model = tiny_model(torch.float32, tied=True)
     with torch.no_grad():
         ref = model(IDS)
     quantize_(model, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int8WeightOnlyConfig()}))
@@ -186,7 +153,7 @@ def test_tied_weights_stay_tied():
     assert isinstance(model.head.weight, Int8Tensor)
     with torch.no_grad():
         assert sqnr(ref, model(IDS)) > 30
-    model = tiny(torch.float32, tied=True)
+    model = tiny_model(torch.float32, tied=True)
     with pytest.raises(AOQError, match="shared with another module"):
         quantize_(model, FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int4WeightOnlyConfig(32)}))
 
@@ -206,7 +173,7 @@ def test_a_tied_pair_resolved_two_ways_is_an_error_not_untied(recipe):
 
 
 def test_module_to_dtype_and_back():
-    model = quantize_(tiny(), Int4WeightOnlyConfig(32))
+    model = quantize_(tiny_model(), Int4WeightOnlyConfig(32))
     with torch.no_grad():
         out_bf16 = model(IDS)
         model.to(torch.float32)
@@ -218,8 +185,8 @@ def test_module_to_dtype_and_back():
 
 
 def test_state_dict_roundtrip_in_memory():
-    model = quantize_(tiny(), Int4WeightOnlyConfig(32))
-    other = quantize_(tiny(), Int4WeightOnlyConfig(32))
+    model = quantize_(tiny_model(), Int4WeightOnlyConfig(32))
+    other = quantize_(tiny_model(), Int4WeightOnlyConfig(32))
     with torch.no_grad():
         for p in other.parameters():
             if isinstance(p, AOQTensor):
@@ -230,7 +197,7 @@ def test_state_dict_roundtrip_in_memory():
 
 
 def test_quantized_model_runs_under_inference_mode_and_no_grad_only_needed_for_compile():
-    model = quantize_(tiny(), Int8WeightOnlyConfig())
+    model = quantize_(tiny_model(), Int8WeightOnlyConfig())
     with torch.inference_mode():
         a = model(IDS)
     b = model(IDS)  # eager with autograd enabled: biases are float parameters
@@ -245,8 +212,9 @@ import hf_aoq.core.compile_cache as compile_cache
 if sys.argv[1] != "-":
     compile_cache.package_source_digest = lambda: sys.argv[1]  # as if hf_aoq's sources had changed
 from hf_aoq import Float8WeightOnlyConfig, quantize_
-from test_quantize import IDS, tiny
-q = quantize_(tiny(torch.float32), Float8WeightOnlyConfig())
+from models import tiny_model
+from test_quantize import IDS
+q = quantize_(tiny_model(torch.float32), Float8WeightOnlyConfig())
 with torch.no_grad():
     torch.compile(q, fullgraph=True)(IDS)
 print(json.dumps(dict(counters["aot_autograd"])))
@@ -265,7 +233,8 @@ def test_compile_cache_is_keyed_on_hf_aoq_sources(tmp_path):
     from pathlib import Path
 
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    here = Path(__file__).parent  # test_quantize, and tests/ for conftest and models
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
 
     def compile_once(digest):
@@ -300,7 +269,7 @@ def test_source_digest_sees_every_source_file(tmp_path):
 def test_plan_is_one_decision_per_tensor():
     from hf_aoq.quantize import Decision, plan
 
-    model = tiny(torch.float32, tied=True)
+    model = tiny_model(torch.float32, tied=True)
     recipe = FqnToConfig({"embed": Int8WeightOnlyConfig(), "head": Int8WeightOnlyConfig(),
                           "layers.0.up": Int4WeightOnlyConfig(32), "layers.1.up.weight": None})
     decisions = plan(model, recipe)
@@ -318,7 +287,7 @@ def test_plan_is_one_decision_per_tensor():
 
 
 def test_the_transformers_quantizer_plans_with_quantize_plan(monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import hf_aoq.integrations.transformers.quantizer as integration
     from hf_aoq import AOQConfig
@@ -326,8 +295,7 @@ def test_the_transformers_quantizer_plans_with_quantize_plan(monkeypatch):
     calls = []
     real = integration.plan
     monkeypatch.setattr(integration, "plan", lambda *a, **k: calls.append(k) or real(*a, **k))
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=128)
+    config = tiny_llama_config(hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, vocab=128)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     quantizer = integration.AOQHfQuantizer(AOQConfig(Int8WeightOnlyConfig(), modules_to_not_convert=["o_proj"]),

@@ -47,7 +47,7 @@ import hf_aoq
 from hf_aoq import cli, workflows
 from hf_aoq.configs import SCHEMES, MXFPInferenceConfig, config_for_scheme, recipe_to_dict
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("no_network")  # the tests below must not need the internet
 
 
@@ -262,7 +262,7 @@ def test_inspect_reads_the_shards_of_a_checkpoint_as_one(int4_dir, tmp_path, cap
 def test_readme_quick_start_is_what_ci_and_these_tests_run():
     """The README's two quick-start commands, verbatim: the first is the demo this file runs
     (after scripts/install.sh, which .ci/run also runs), the second is CI's test command."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     readme = (root / "README.md").read_text()
     block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#", 1)[0].strip() for line in block.strip().splitlines()]

@@ -1,6 +1,6 @@
 """The kernel table (kernels/registry.py): what it holds, how a weight finds its row (through its
 MRO, its packing, the device and what the device allows), and that torch.compile runs the row
-eager mode runs. tests/test_no_cpu_ext.py runs this module again without the C++ extension."""
+eager mode runs. tests/kernels/test_no_cpu_ext.py runs this module again without the C++ extension."""
 import os
 
 import pytest

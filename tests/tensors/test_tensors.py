@@ -237,11 +237,16 @@ def test_int8_per_token_activation_quantization_is_what_the_kernel_sees():
 
 
 # ---------------------------------------------------------------------- layouts a loader accepts
-def _save_and_load(t, tmp_path):
+def _save_and_load(t, tmp_path, unchecked=False):
+    """Save `t` and load it back; `unchecked` saves without the type's check (which save_file
+    runs too), to write the file a loader must refuse."""
     from hf_aoq import serialization
 
     path = str(tmp_path / "t.safetensors")
-    serialization.save_file({"layer.weight": t}, path)
+    with pytest.MonkeyPatch.context() as m:
+        if unchecked:
+            m.setattr(type(t), "check_fields", classmethod(lambda cls, fields: None))
+        serialization.save_file({"layer.weight": t}, path)
     return serialization.load_file(path)["layer.weight"]
 
 
@@ -279,7 +284,34 @@ def test_a_layout_no_kernel_runs_is_refused_at_load(case, tmp_path):
     _, t, message = _layouts()[case]
     with pytest.raises(FormatError, match=rf"tensor 'layer.weight', attribute {message}" if message[0] == "'"
                        else rf"tensor 'layer.weight', .*{message}"):
-        _save_and_load(t, tmp_path)
+        _save_and_load(t, tmp_path, unchecked=True)
+
+
+@pytest.mark.parametrize("case", range(len(_layouts())), ids=[label for label, _, _ in _layouts()])
+def test_a_layout_the_loader_refuses_is_never_saved(case, tmp_path):
+    # A tensor built by hand from its fields was saved in a layout load_file then refused.
+    from hf_aoq import serialization
+
+    _, t, message = _layouts()[case]
+    path = tmp_path / "t.safetensors"
+    with pytest.raises(AOQError, match=rf"<state dict>: tensor 'layer.weight', .*{message}.*so it is not saved"):
+        serialization.save_file({"layer.weight": t}, str(path))
+    assert not list(tmp_path.iterdir())  # nothing written, not even a temporary
+
+
+def test_save_pretrained_refuses_a_layout_the_loader_refuses(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_aoq import AOQConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=AOQConfig(Int8WeightOnlyConfig()))
+    n, k = model.model.layers[0].mlp.up_proj.weight.shape
+    i8 = torch.zeros(n, k, dtype=torch.int8)
+    bad = Int8Tensor(i8, torch.ones(n // 2, 1), (2, k), (n, k), torch.float32)  # one scale per two rows
+    model.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(bad, requires_grad=False)
+    with pytest.raises(AOQError, match=r"tensor 'model.layers.0.mlp.up_proj.weight', attribute 'block_size'"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.safetensors"))
 
 
 @pytest.mark.parametrize("config", [c for c, _ in CONFIGS] + [Int4WeightOnlyConfig(64, qparams="minmax")],

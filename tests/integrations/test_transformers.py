@@ -17,7 +17,7 @@ import safetensors
 import safetensors.torch
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.integrations.accelerate import compute_module_sizes
 from transformers.quantizers import AutoHfQuantizer, AutoQuantizationConfig
 from transformers.quantizers import auto as hf_auto
@@ -43,31 +43,16 @@ from hf_aoq.configs import recipe_from_dict, recipe_to_dict
 from hf_aoq.integrations.transformers import AOQHfQuantizer
 
 from conftest import cpu_int4_packing
+from models import tiny_llama_checkpoint
 
 VOCAB = 512
-
-
-def tiny_llama(tie: bool, bias: bool = False, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=tie,
-        attention_bias=bias,
-        mlp_bias=bias,
-    )
-    return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A float bf16 checkpoint of an untied tiny Llama whose linears have biases."""
     path = tmp_path_factory.mktemp("llama")
-    tiny_llama(tie=False, bias=True).save_pretrained(path)
+    tiny_llama_checkpoint(path, vocab=VOCAB, bias=True, tokenizer=False)
     return str(path)
 
 
@@ -75,7 +60,7 @@ def llama_dir(tmp_path_factory):
 def tied_dir(tmp_path_factory):
     """A float bf16 checkpoint of a tiny Llama that ties lm_head to the input embedding."""
     path = tmp_path_factory.mktemp("tied")
-    tiny_llama(tie=True, seed=1).save_pretrained(path)
+    tiny_llama_checkpoint(path, vocab=VOCAB, tie=True, seed=1, tokenizer=False)
     return str(path)
 
 

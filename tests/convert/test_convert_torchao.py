@@ -17,7 +17,7 @@ from hf_aoq.convert import convert_torchao_checkpoint
 from hf_aoq.convert.torchao import TorchaoConversionError
 from hf_aoq.core.tensor import AOQTensor
 
-FIXTURES = Path(__file__).parent / "fixtures" / "torchao"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "torchao"
 
 # fixture -> (torchao type, hf_aoq type, detail, dynamic activations?)
 CONVERTIBLE = {
@@ -200,7 +200,7 @@ def test_script_calls_the_same_function(tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).parents[1] / "scripts" / "convert_torchao.py"
+    script = Path(__file__).parents[2] / "scripts" / "convert_torchao.py"
     result = subprocess.run([sys.executable, str(script), str(FIXTURES / "intx_int8_per_row"), str(tmp_path / "o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -502,7 +502,7 @@ def test_script_takes_max_shard_size(tmp_path, converted, capsys):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("convert_torchao_script",
-                                                  Path(__file__).parents[1] / "scripts" / "convert_torchao.py")
+                                                  Path(__file__).parents[2] / "scripts" / "convert_torchao.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     name = "intx_int8_per_row"

@@ -10,31 +10,19 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import hf_aoq  # noqa: F401  (registers "aoq")
 from hf_aoq import AOQConfig, AOQTensor, Int4WeightOnlyConfig
 from hf_aoq.core import memory
 from hf_aoq.integrations import transformers as integration
 
-
-def tiny_llama_dir(path, hidden=128, intermediate=256, layers=3, vocab=512):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return str(path)
+from models import tiny_llama_checkpoint
 
 
 def test_each_weight_is_quantized_as_it_is_read(tmp_path, monkeypatch):
-    path = tiny_llama_dir(tmp_path)
+    path = str(tmp_path)
+    tiny_llama_checkpoint(path, layers=3, tokenizer=False)
     calls = []
     original = integration.AOQQuantize.convert
 
@@ -113,7 +101,8 @@ def test_quantize_on_load_peak_memory_is_near_the_quantized_size(tmp_path, schem
     # A ~330 MiB bf16 checkpoint: large enough that the quantized model, not the interpreter's
     # bookkeeping, dominates the growth. Before its mapped pages were released as loading went
     # on, the peak was the float checkpoint plus the quantized model (about 3x for int4).
-    path = tiny_llama_dir(tmp_path / "model", hidden=1024, intermediate=4096, layers=8, vocab=16384)
+    path = str(tmp_path / "model")
+    tiny_llama_checkpoint(path, hidden=1024, intermediate=4096, layers=8, vocab=16384, tokenizer=False)
     float_bytes = sum(f.stat().st_size for f in (tmp_path / "model").glob("*.safetensors"))
     got = _peak_growth(path, scheme)
     ratio = got["growth"] / got["model_bytes"]

@@ -33,7 +33,7 @@ from hf_aoq import smollm2
 from hf_aoq.calibration import quantize_with_calibration
 from hf_aoq.perplexity import windows
 
-TEXT = os.path.join(os.path.dirname(__file__), "data", "lee_background.cor")
+TEXT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "lee_background.cor")
 N_TOKENS = 512
 
 # SmolLM2-135M's hidden size is 576 = 4.5 x 128: the 576-wide projections end in a partial group.

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 
 
 def test_benchmark_runs_end_to_end(tmp_path):

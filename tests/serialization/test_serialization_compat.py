@@ -16,7 +16,7 @@ from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor,
 from hf_aoq import serialization as S
 from hf_aoq.core import registry
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 # One manifest per generation of fixtures (scripts/make_fixtures.py); the tests see their union.
 MANIFESTS = {p.name: json.loads(p.read_text()) for p in sorted(FIXTURES.glob("manifest*.json"))}
 MANIFEST = {"files": {f: info for m in MANIFESTS.values() for f, info in m["files"].items()}}
