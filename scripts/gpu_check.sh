@@ -53,10 +53,10 @@ json.dump({'torch': torch.__version__, 'cuda': torch.version.cuda, 'device': tor
 # 3. The cuda-marked tests (and the CPU contract checks, a few seconds), as JUnit XML; the
 #    torch.compile tests (slowest) apart, so that a timeout there keeps the other results.
 PYTEST=(env PYTHONPATH="$PWD" "$PY" -m pytest -q -p no:cacheprovider)
-run timeout "$TEST_TIMEOUT" "${PYTEST[@]}" tests/test_cuda_contracts.py tests/test_cuda.py tests/test_transformers_cuda.py \
+run timeout "$TEST_TIMEOUT" "${PYTEST[@]}" tests/kernels/test_cuda_contracts.py tests/kernels/test_cuda.py tests/integrations/test_transformers_cuda.py \
   -k "not compile" --junitxml "$OUT/tests.xml"
 tests_rc=$?
-run timeout "$COMPILE_TIMEOUT" "${PYTEST[@]}" tests/test_cuda.py -k compile --junitxml "$OUT/tests_compile.xml"
+run timeout "$COMPILE_TIMEOUT" "${PYTEST[@]}" tests/kernels/test_cuda.py -k compile --junitxml "$OUT/tests_compile.xml"
 compile_rc=$?
 # 4. The benchmark (run even if a test failed: its figures say where).
 run env PYTHONPATH="$PWD" timeout "$BENCH_TIMEOUT" "$PY" scripts/gpu_bench.py --out "$OUT/bench.json"

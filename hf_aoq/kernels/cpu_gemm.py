@@ -3,7 +3,7 @@ dequantizes the weight into bf16, then aten's GEMM (oneDNN, on AMX) multiplies.
 
 The numbers are the reference kernel's, bit for bit: the reference dequantizes in float32, rounds
 once to the activation dtype and calls F.linear; the C++ `*_dequantize` functions produce the same
-weight bits (tests/test_cpu_isa.py checks equality), and the same F.linear call follows. The whole
+weight bits (tests/kernels/test_cpu_isa.py checks equality), and the same F.linear call follows. The whole
 weight is dequantized (not chunk by chunk into per-thread GEMMs): the same single GEMM call as the
 reference is what makes the outputs equal.
 

@@ -7,7 +7,7 @@ multiples of 16, a row-major mat1 and a column-major mat2, never e5m2 x e5m2, an
 [M, 1] x [1, N] scales for row-wise scaling (bf16 output). An empty batch (M = 0) returns an
 empty output without launching anything. What the GPU and the torch build allow (compute
 capability, torch version, NVIDIA rather than ROCm) are capabilities, probed once per device.
-tests/test_cuda_contracts.py runs every path here on a CPU build (FakeTensorMode), and
+tests/kernels/test_cuda_contracts.py runs every path here on a CPU build (FakeTensorMode), and
 tinygemm_layout.py is the oracle for the packing.
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ def test_benchmark_runs_end_to_end(tmp_path):
             assert r[key] > 0 and math.isfinite(r[key]), (name, key, r[key])
         assert r["vs_bf16"]["decode_tps"] > 0
         assert r["reload_model_bytes"] == r["model_bytes"]
-    # The machine, the kernels each config ran, and decode at batch 4 and 16 (tests/test_cpu_isa.py
+    # The machine, the kernels each config ran, and decode at batch 4 and 16 (tests/kernels/test_cpu_isa.py
     # covers the ISA checks themselves).
     machine = report["machine"]
     for key in ("cpu", "flags", "torch_capability", "hf_aoq_extension_isa", "torch_threads", "torch"):

@@ -1,5 +1,5 @@
 """CUDA kernels against the reference; skipped without a GPU (see conftest.py). The same paths
-run on a CPU build in tests/test_cuda_contracts.py (shapes and contracts, no values)."""
+run on a CPU build in tests/kernels/test_cuda_contracts.py (shapes and contracts, no values)."""
 import importlib.util
 
 import pytest

@@ -20,7 +20,7 @@ from hf_aoq import Int4Tensor, Int4WeightOnlyConfig, kernels  # noqa: E402
 from hf_aoq.kernels import registry  # noqa: E402
 
 pytestmark = pytest.mark.triton
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dry_run_prints_the_steps_and_writes_nothing(tmp_path):
@@ -17,10 +17,13 @@ def test_dry_run_prints_the_steps_and_writes_nothing(tmp_path):
     assert done.returncode == 0, done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("+ ")]
     text = "\n".join(steps)
-    for expected in ("tests/test_cuda.py", "tests/test_transformers_cuda.py", "tests/test_cuda_contracts.py",
+    for expected in ("tests/kernels/test_cuda.py", "tests/integrations/test_transformers_cuda.py",
+                     "tests/kernels/test_cuda_contracts.py",
                      "-k compile", "scripts/gpu_bench.py --out " + str(out / "bench.json"),
                      str(out / "tests.xml"), str(out / "env.json")):
         assert expected in done.stdout, expected
+    named = {w for w in done.stdout.split() if w.startswith("tests/") and w.endswith(".py")}
+    assert named and all((ROOT / w).is_file() for w in named), named  # test files that moved fail here
     assert all(s.startswith("+ timeout") or "timeout" in s for s in steps if "python" in s)  # every step is bounded
     assert not out.exists() and not (ROOT / "gpu_check_out").exists()
 

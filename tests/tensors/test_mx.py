@@ -26,7 +26,7 @@ from hf_aoq.configs import (
 )
 from hf_aoq.tensors.mx import MXTensor, e8m0_to_float, mx_dequantize, mx_quantize
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 E4M3, E5M2, FP4 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2
 ELEMS = (E4M3, E5M2, FP4)
 

@@ -24,7 +24,7 @@ from hf_aoq.workflows import ExportError, convert_checkpoint, export_checkpoint
 
 pytest.importorskip("compressed_tensors")
 
-FIXTURES = Path(__file__).parent / "fixtures" / "torchao"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "torchao"
 RECIPES = {
     "int4_g32": Int4WeightOnlyConfig(group_size=32, symmetric=True),
     "int4_g128": Int4WeightOnlyConfig(group_size=128, symmetric=True),

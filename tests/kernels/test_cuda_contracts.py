@@ -111,7 +111,7 @@ def fake_gpu(monkeypatch, capability=(9, 0)):
     registry.forget_capabilities()
     # Comparing aten's packing with tinygemm_layout.py needs real values: the GPU test does it.
     registry._CAPABLE[("cuda:tinygemm_layout", "cuda", 0)] = True
-    # The aten rows are under test here (tests/test_triton.py has the Triton ones).
+    # The aten rows are under test here (tests/kernels/test_triton.py has the Triton ones).
     registry._CAPABLE[("cuda:triton", "cuda", 0)] = False
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     calls = Calls()
