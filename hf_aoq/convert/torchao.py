@@ -433,7 +433,10 @@ def convert_torchao_checkpoint(
     recipe: dict[str, AOQBaseConfig] = {}
     source = str(shards[0]) if len(shards) == 1 else str(src)
     specs = {name: spec for name, (spec, _) in _CONVERTERS.items()}
-    for kind, name, value in parse_records(tensors, metadata, source, specs, _UNSUPPORTED):
+    from transformers.utils import logging as hf_logging  # its tqdm: honours disable_progress_bar()
+
+    records = parse_records(tensors, metadata, source, specs, _UNSUPPORTED)
+    for kind, name, value in hf_logging.tqdm(records, desc="convert", unit="tensor"):
         if kind == "plain":
             state[name] = value
             summary.plain_tensors += 1

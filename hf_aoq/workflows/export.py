@@ -20,7 +20,7 @@ import torch
 from ..convert import compressed_tensors as ct
 from ..core.errors import AOQError, FormatError
 from ..core.tensor import AOQTensor
-from .common import UsageError
+from .common import UsageError, progress
 
 CONFIG_NAME = "config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
@@ -187,7 +187,7 @@ def export_checkpoint(src, out, *, format: str = "compressed-tensors", requantiz
     groups: dict[ct.Scheme, list[str]] = {}
     result: dict[str, torch.Tensor] = {}
     kept_float: list[str] = []
-    for name, t in state.items():
+    for name, t in progress(state.items(), total=len(state), desc="export", unit="tensor"):
         if not isinstance(t, AOQTensor):
             result[name] = t
             summary.plain += 1
@@ -347,7 +347,7 @@ def convert_compressed_tensors(src, out, *, overwrite: bool = False,
         else:
             state[key] = t
             summary.plain += 1
-    for module, tensors in by_module.items():
+    for module, tensors in progress(by_module.items(), total=len(by_module), desc="convert", unit="layer"):
         scheme, problem = _scheme_for(module, groups, ignore)
         if scheme is None:
             raise ExportError(f"{module}: stores quantized tensors but {problem or 'its group is not supported'}; "

@@ -181,8 +181,9 @@ def test_config_and_other_files(converted):
 def test_cli_converts_and_reports(tmp_path, capsys):
     dst = tmp_path / "out"
     assert cli_main(["convert-torchao", str(FIXTURES / "float8_weight_only"), str(dst)]) == 0
-    out = capsys.readouterr().out
-    assert "14 x Float8Tensor -> Float8Tensor" in out
+    printed = capsys.readouterr()
+    out = printed.out
+    assert "14 x Float8Tensor -> Float8Tensor" in out and "convert: " in printed.err  # a progress bar
     assert (dst / "model.safetensors").is_file()
     # DST exists now: refused in one line, DST untouched.
     before = (dst / "model.safetensors").read_bytes()

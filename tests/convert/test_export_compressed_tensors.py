@@ -371,7 +371,9 @@ def test_sharded_export_and_convert_through_the_command_line(float_dir, tmp_path
     src = quantized(float_dir, tmp_path, RECIPES["int4_g32"])
     out, back = tmp_path / "ct", tmp_path / "back"
     assert cli_main(["export", str(src), str(out), "--format", "compressed-tensors", "--max-shard-size", "100KB"]) == 0
-    assert "14 x pack-quantized int4 group 32, weight-only" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "14 x pack-quantized int4 group 32, weight-only" in printed.out
+    assert "export: 100%" in printed.err  # transformers-style progress, one step per tensor
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert "model.layers.0.self_attn.q_proj.weight_packed" in index["weight_map"]
@@ -379,7 +381,8 @@ def test_sharded_export_and_convert_through_the_command_line(float_dir, tmp_path
     ours = load_checkpoint(src)
     assert torch.equal(got, float_model_with(float_dir, ours))
     assert cli_main(["convert", str(out), str(back)]) == 0
-    assert "-> Int4Tensor" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "-> Int4Tensor" in printed.out and "convert: 100%" in printed.err
     again = load_checkpoint(back)
     for name, t in ours.items():
         if isinstance(t, AOQTensor):
