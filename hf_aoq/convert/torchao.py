@@ -20,7 +20,6 @@ converted weight is dequantized both ways (torchao's formula on torchao's fields
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import pack_int4
 from ..core.tensor import AOQTensor
 from ..serialization import replace_folder, save_shards, write_atomic
-from ..serialization.common import loads_strict
+from ..serialization.common import read_json_file
 from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor
 from ..tensors.int4 import GROUP_SIZES
 from .torchao_format import (
@@ -413,12 +412,7 @@ def convert_torchao_checkpoint(
     config_path = src / CONFIG_NAME
     if not config_path.is_file():
         raise TorchaoConversionError(f"{src}: no {CONFIG_NAME}")
-    try:
-        config = loads_strict(config_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise TorchaoConversionError(f"{config_path}: {e}") from None
-    if type(config) is not dict:
-        raise TorchaoConversionError(f"{config_path}: expected a JSON object")
+    config = read_json_file(config_path, TorchaoConversionError)
     qc = config.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method != "torchao":

@@ -4,7 +4,8 @@ from __future__ import annotations
 import gc
 import json
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from ..core.errors import FormatError, short
 
@@ -82,6 +83,18 @@ def load_json_object(text: str | bytes, source: str, what: str) -> dict:
         raise error(source, f"{what}: {e}") from None
     if type(doc) is not dict:
         raise error(source, f"{what} must be a JSON object, got {short(doc)}")
+    return doc
+
+
+def read_json_file(path, fail: Callable[[str], Exception]) -> dict:
+    """The JSON object in the file `path` (a config.json, say), parsed strictly (`loads_strict`);
+    otherwise the exception `fail(message)` makes, the message naming `path`."""
+    try:
+        doc = loads_strict(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise fail(f"{path}: {e}") from None
+    if type(doc) is not dict:
+        raise fail(f"{path}: expected a JSON object")
     return doc
 
 

@@ -77,20 +77,14 @@ def _fused_mismatches(schemes: dict[str, object]) -> list[str]:
 
 # ---------------------------------------------------------------------- shared folder plumbing
 def _read_config(src: Path) -> dict:
-    from ..serialization.common import loads_strict
+    from ..serialization.common import read_json_file
 
     path = src / CONFIG_NAME
     if not src.is_dir():
         raise ExportError(f"{src}: not a folder")
     if not path.is_file():
         raise ExportError(f"{src}: no {CONFIG_NAME}; give a checkpoint folder")
-    try:
-        config = loads_strict(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path}: {e}") from None
-    if type(config) is not dict:
-        raise ExportError(f"{path}: expected a JSON object")
-    return config
+    return read_json_file(path, ExportError)
 
 
 def _quant_method(config: dict) -> str | None:
