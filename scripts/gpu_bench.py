@@ -72,19 +72,27 @@ def aten_baseline(scheme: str, q, x):
     return None
 
 
-def time_triton_int4(case, w, x, iters: int):
-    """hf_aoq's Triton int4 GEMV on the canonical layout (None without triton or above its rows)."""
+def time_triton(case, w, x, q, iters: int):
+    """hf_aoq's Triton GEMV on the canonical layout: int4 (groups of 128) and Int4DQ (`q` itself,
+    canonical on CUDA); None for other schemes, without triton or above its rows."""
     from hf_aoq import Int4Tensor
-    from hf_aoq.kernels.triton_kernels import TRITON_GEMV_MAX_ROWS
+    from hf_aoq.kernels.triton_kernels import TRITON_GEMV_MAX_ROWS, _lut_on
 
+    if case["scheme"] not in ("int4", "int4dq"):
+        return None
     try:
         from hf_aoq.kernels import triton_jit
     except ImportError:
         return None
     if case["rows"] > TRITON_GEMV_MAX_ROWS * 2:
         return None
+    n, k = case["n"], case["k"]
+    if case["scheme"] == "int4dq":
+        lut = _lut_on(x.device)
+        return time_ms(lambda: triton_jit.int4dq_gemv(x, q.qdata, q.gparams, q.rparams, q.tparams, lut, None,
+                                                      q.block_size[-1], n, k), iters)
     c = Int4Tensor.from_float(w, 128)
-    return time_ms(lambda: triton_jit.int4_gemv(x, c.qdata, c.scale, c.zero, None, 128, case["n"], case["k"]), iters)
+    return time_ms(lambda: triton_jit.int4_gemv(x, c.qdata, c.scale, c.zero, None, 128, n, k), iters)
 
 
 def bench_linears(iters: int, results: list, save) -> list[dict]:
@@ -101,7 +109,7 @@ def bench_linears(iters: int, results: list, save) -> list[dict]:
             row["hf_aoq_ms"] = time_ms(lambda: F.linear(x, q), iters)
             base = aten_baseline(case["scheme"], q, x)
             row["aten_ms"] = time_ms(base, iters) if base else None
-            row["triton_ms"] = time_triton_int4(case, w, x, iters) if case["scheme"] == "int4" else None
+            row["triton_ms"] = time_triton(case, w, x, q, iters)
         row["vs_bf16"] = row["hf_aoq_ms"] / row["bf16_ms"]
         results.append(row)
         save()

@@ -1,7 +1,7 @@
 """Triton kernels (imported only where triton is installed; see triton_kernels.py for their rows).
 
-`int4_gemv_body` is a plain function made into a kernel by `triton.jit` here; tests jit it again
-under TRITON_INTERPRET=1 (CPU tensors) and compile it for sm90 without a GPU.
+Each `*_body` is a plain function made into a kernel by `triton.jit` here; tests run the kernels
+under TRITON_INTERPRET=1 (CPU tensors) and compile them for sm90 without a GPU.
 """
 from __future__ import annotations
 
@@ -63,6 +63,97 @@ def int4_gemv(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: 
         n, k, x2.stride(0), y.stride(0), qdata.stride(0), scale.stride(0),
         GROUP=group_size, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )
+    return y
+
+
+def int4dq_gemv_body(x_ptr, q_ptr, g_ptr, r_ptr, t_ptr, lut_ptr, b_ptr, y_ptr, w_ptr, N, K, stride_xm, stride_ym,
+                     stride_qn, stride_gn, stride_rn, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     WRITE_W: tl.constexpr, ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One activation row m times BLOCK_N rows of an Int4DQTensor in its canonical layout (qdata
+    uint8 [N, K/2], gparams uint8 [N, G], rparams uint8 [N, 4], tparams float32 [2]; lut_ptr: the
+    format's 32 float32 mantissas). Each weight is decoded as Int4DQTensor.dequantize does, one
+    float32 operation at a time in the same order (launch with enable_fp_fusion=False so that no
+    multiply and add become one FMA), rounded to x's dtype as the reference's dequantize(x.dtype)
+    is (ROUND: 1 float16, 2 bfloat16, 0 float32), then multiplied and accumulated in float32.
+    WRITE_W (tests): also store the decoded weights, in x's dtype, into w_ptr [N, K]."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    t_d = tl.load(t_ptr)
+    t_c = tl.load(t_ptr + 1)
+    # Row parameters: code k is the mantissa LUT[k % 32] (LUT[2 * (m % 16)] for a centre) times
+    # 2^-e, e = k // 32 (m // 16) <= 7; that power of two is built from its bits, exactly.
+    kd_lo = tl.load(r_ptr + offs_n * stride_rn, mask=n_mask, other=0).to(tl.int32)
+    kd_hi = tl.load(r_ptr + offs_n * stride_rn + 1, mask=n_mask, other=0).to(tl.int32)
+    kc_lo = tl.load(r_ptr + offs_n * stride_rn + 2, mask=n_mask, other=0).to(tl.int32)
+    kc_hi = tl.load(r_ptr + offs_n * stride_rn + 3, mask=n_mask, other=0).to(tl.int32)
+    dlo = (t_d * tl.load(lut_ptr + kd_lo % 32)) * ((127 - kd_lo // 32) << 23).to(tl.float32, bitcast=True)
+    dlo = tl.where(kd_lo == 255, 0.0, dlo)
+    dhi = (t_d * tl.load(lut_ptr + kd_hi % 32)) * ((127 - kd_hi // 32) << 23).to(tl.float32, bitcast=True)
+    dhi = tl.where(kd_hi == 255, 0.0, dhi)
+    mc_lo = kc_lo & 127
+    clo = (t_c * tl.load(lut_ptr + 2 * (mc_lo % 16))) * ((127 - mc_lo // 16) << 23).to(tl.float32, bitcast=True)
+    clo = tl.where(mc_lo == 127, 0.0, tl.where((kc_lo >> 7) == 1, -clo, clo))
+    mc_hi = kc_hi & 127
+    chi = (t_c * tl.load(lut_ptr + 2 * (mc_hi % 16))) * ((127 - mc_hi // 16) << 23).to(tl.float32, bitcast=True)
+    chi = tl.where(mc_hi == 127, 0.0, tl.where((kc_hi >> 7) == 1, -chi, chi))
+    # div_rn: correctly rounded division (as torch's); Triton's `/` may be approximate on GPUs.
+    dstep = tl.math.div_rn(dhi - dlo, 15.0)
+    cstep = tl.math.div_rn(chi - clo, 15.0)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds k = 2j (low) and 2j + 1 (high)
+        j_mask = offs_j < K // 2
+        mask = n_mask[:, None] & j_mask[None, :]
+        b = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_j[None, :], mask=mask, other=0).to(tl.int32)
+        gp = tl.load(g_ptr + offs_n[:, None] * stride_gn + (offs_j[None, :] * 2) // GROUP, mask=mask,
+                     other=0).to(tl.int32)
+        d = dlo[:, None] + (gp & 15).to(tl.float32) * dstep[:, None]
+        c = clo[:, None] + ((gp >> 4) & 15).to(tl.float32) * cstep[:, None]
+        w_lo = ((b & 15).to(tl.float32) - 7.5) * d + c
+        w_hi = (((b >> 4) & 15).to(tl.float32) - 7.5) * d + c
+        if ROUND == 1:  # float16, to nearest even
+            w_lo = w_lo.to(tl.float16).to(tl.float32)
+            w_hi = w_hi.to(tl.float16).to(tl.float32)
+        if ROUND == 2:  # bfloat16, to nearest even on the bits (the interpreter's cast truncates)
+            u = w_lo.to(tl.uint32, bitcast=True)
+            w_lo = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            u = w_hi.to(tl.uint32, bitcast=True)
+            w_hi = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        if WRITE_W:
+            w_at = w_ptr + offs_n[:, None] * K + offs_j[None, :] * 2
+            tl.store(w_at, w_lo.to(w_ptr.dtype.element_ty), mask=mask)  # exact: already rounded
+            tl.store(w_at + 1, w_hi.to(w_ptr.dtype.element_ty), mask=mask)
+        xe = tl.load(x_ptr + m * stride_xm + offs_j * 2, mask=j_mask, other=0).to(tl.float32)
+        xo = tl.load(x_ptr + m * stride_xm + offs_j * 2 + 1, mask=j_mask, other=0).to(tl.float32)
+        acc += tl.sum(w_lo * xe[None, :] + w_hi * xo[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+int4dq_gemv_kernel = triton.jit(int4dq_gemv_body)
+_ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def int4dq_gemv(x2: torch.Tensor, qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor,
+                tparams: torch.Tensor, lut: torch.Tensor, bias: torch.Tensor | None, group_size: int, n: int,
+                k: int, kernel=None, decoded: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, K] activations (unit stride along K) times a canonical Int4DQ weight (`lut`: the
+    format's LUT on x's device): [M, N] in x's dtype. `kernel` overrides the jitted kernel;
+    `decoded` (tests), a contiguous [N, K] tensor in x's dtype, receives the decoded weights."""
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return y
+    (kernel or int4dq_gemv_kernel)[(triton.cdiv(n, BLOCK_N), m)](
+        x2, qdata, gparams, rparams, tparams, lut, bias if bias is not None else y, y,
+        decoded if decoded is not None else y, n, k, x2.stride(0), y.stride(0), qdata.stride(0), gparams.stride(0),
+        rparams.stride(0), GROUP=group_size, HAS_BIAS=bias is not None, WRITE_W=decoded is not None,
+        ROUND=_ROUND[x2.dtype], BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     return y
 

@@ -6,7 +6,9 @@ The GEMVs read the canonical layouts, at up to TRITON_GEMV_MAX_ROWS rows. int4: 
 for tinygemm where that runs, so today this row serves the int4 weights tinygemm cannot take (N
 not a multiple of 8, ROCm, torch < 2.5); whether it should replace tinygemm at decode waits on
 GPU figures (scripts/gpu_bench.py). int8 and float8 weight-only: the codes read in place instead
-of the reference's dequantization to a float weight on every call."""
+of the reference's dequantization to a float weight on every call. Int4DQ (no CUDA packing, so
+always canonical there): each weight decoded in the kernel exactly as Int4DQTensor.dequantize
+does, instead of the reference's dequantization on every call."""
 from __future__ import annotations
 
 import importlib.util
@@ -57,6 +59,49 @@ def int4_triton_linear(x, w, bias):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = int4_gemv_op(x2, w.qdata, w.scale, w.zero, bias, w.block_size[-1], n, k)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------- Int4DQ
+@opaque_op("int4dq_gemv_triton", lambda x2, qdata, gparams, rparams, tparams, lut, bias, group_size, n, k:
+           x2.new_empty(x2.shape[0], n))
+def int4dq_gemv_op(
+    x2: torch.Tensor, qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+    lut: torch.Tensor, bias: Optional[torch.Tensor], group_size: int, n: int, k: int,
+) -> torch.Tensor:
+    from .triton_jit import int4dq_gemv
+
+    return int4dq_gemv(x2, qdata, gparams, rparams, tparams, lut, bias, group_size, n, k)
+
+
+_LUTS: dict = {}
+
+
+def _lut_on(device: torch.device) -> torch.Tensor:
+    """The Int4DQ format's 32 mantissas on `device`, copied there once."""
+    from ..tensors.int4dq import LUT
+
+    if device not in _LUTS:
+        _LUTS[device] = LUT.to(device)
+    return _LUTS[device]
+
+
+def _int4dq_gemv_applies(x, w) -> bool:
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    contiguous = all(t.is_contiguous() for t in (w.qdata, w.gparams, w.rparams, w.tparams))
+    return x.dtype in FLOATS and rows <= TRITON_GEMV_MAX_ROWS and contiguous
+
+
+@register_kernel("linear", "Int4DQTensor", "triton_int4dq_gemv", backend="triton", priority=5, device="cuda",
+                 needs=(TRITON,), when=_int4dq_gemv_applies)
+def int4dq_triton_linear(x, w, bias):
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = int4dq_gemv_op(x2, w.qdata, w.gparams, w.rparams, w.tparams, _lut_on(x2.device), bias, w.block_size[-1],
+                       n, k)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -392,3 +392,26 @@ def test_an_empty_batch_on_cpu_too():
     q = Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()).quantize_weight(torch.randn(32, 64))
     assert tuple(F.linear(torch.randn(0, 64), q).shape) == (0, 32)
     assert tuple(F.linear(torch.randn(2, 0, 64), q.place()).shape) == (2, 0, 32)
+
+
+@pytest.mark.parametrize("rows,expected", [(1, "triton_int4dq_gemv"), (8, "triton_int4dq_gemv"), (17, "reference")])
+def test_int4dq_takes_the_triton_gemv_at_few_rows(monkeypatch, rows, expected):
+    """Where triton runs, Int4DQ (canonical on CUDA: no packing there) takes the Triton GEMV up to
+    TRITON_GEMV_MAX_ROWS rows, the reference above."""
+    w, bias = _weights(576)
+    q = Int4DQWeightOnlyConfig().quantize_weight(w)
+    with fake_gpu(monkeypatch) as calls:
+        registry._CAPABLE[("cuda:triton", "cuda", 0)] = True
+        on_gpu = q.to("cuda").place()
+        assert on_gpu.packing is None
+        x = torch.empty(rows, 576, dtype=torch.bfloat16, device="cuda")
+        assert kernels.select_kernel("linear", x, on_gpu).name == expected
+        if expected != "reference":
+            # Eager, the row launches Triton (no fake GPU can); under torch.compile its custom
+            # op's fake gives the output's shape and dtype.
+            from hf_aoq.kernels.triton_kernels import int4dq_gemv_op
+
+            y = int4dq_gemv_op.op(x, on_gpu.qdata, on_gpu.gparams, on_gpu.rparams, on_gpu.tparams,
+                                  torch.empty(32, device="cuda"), bias.to("cuda"), 32, N, 576)
+            assert y.device == torch.device("cuda", 0) and y.dtype == torch.bfloat16 and tuple(y.shape) == (rows, N)
+            assert not any(calls.of(name) for name in CHECKS)

@@ -46,6 +46,7 @@ TABLE = [
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm"),
     ("linear", "Float8Tensor", "canonical", "triton_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "reference"),
+    ("linear", "Int4DQTensor", "canonical", "triton_int4dq_gemv"),
     ("linear", "Int4DQTensor", "canonical", "reference"),
     ("linear", "Int4DQTensor", "cpu_int4dq", "cpu_int4dq_amx_gemm"),
     ("linear", "Int4DQTensor", "cpu_int4dq", "cpu_int4dq_ext"),

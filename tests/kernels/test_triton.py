@@ -68,6 +68,58 @@ def test_int4_gemv_with_no_rows(interpreted):
     assert y.shape == (0, 64)
 
 
+def _int4dq(n, k, group, dtype=torch.bfloat16):
+    from hf_aoq import Int4DQTensor
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=dtype)
+    w[0, :group] = 0  # a zero group, and (row 1) a row of one sign: centre and scale codes at their ends
+    w[1] = w[1].abs() + 0.5
+    return Int4DQTensor.from_float(w, group)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k,group", [(40, 64, 32), (72, 96, 64), (136, 576, 32), (64, 576, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int4dq_gemv_matches_the_reference(interpreted, rows, n, k, group, dtype):
+    """The decoded weights are dequantize(x.dtype)'s bit for bit (the kernel writes them out);
+    the product is the reference's to float32-accumulation rounding, with and without bias."""
+    from hf_aoq.tensors.int4dq import LUT
+
+    triton_jit, _ = interpreted
+    q = _int4dq(n, k, group)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, k, dtype=dtype)
+    reference = kernels.kernels_for("linear", "Int4DQTensor")[-1]
+    assert reference.name == "reference"
+    for bias in (torch.randn(n, dtype=dtype), None):
+        decoded = torch.full((n, k), float("nan"), dtype=dtype)
+        y = triton_jit.int4dq_gemv(x, q.qdata, q.gparams, q.rparams, q.tparams, LUT, bias, group, n, k,
+                                   decoded=decoded)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        w = q.dequantize(dtype)
+        assert torch.equal(decoded.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           w.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        # float64 product of the very weights the kernel used: only accumulation rounding differs.
+        exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+        scale = (x.double().abs() @ w.double().abs().t()).max() + 1
+        tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        assert (y.double() - exact).abs().max() <= tol * scale
+        ref = reference.fn(x, q, bias).double()
+        assert (y.double() - ref).abs().max() <= 2 * tol * scale
+        plain = triton_jit.int4dq_gemv(x, q.qdata, q.gparams, q.rparams, q.tparams, LUT, bias, group, n, k)
+        assert torch.equal(plain, y)  # writing the weights out changes nothing else
+
+
+def test_int4dq_gemv_with_no_rows(interpreted):
+    from hf_aoq.tensors.int4dq import LUT
+
+    triton_jit, _ = interpreted
+    q = _int4dq(64, 256, 64)
+    y = triton_jit.int4dq_gemv(torch.randn(0, 256), q.qdata, q.gparams, q.rparams, q.tparams, LUT, None, 64, 64, 256)
+    assert y.shape == (0, 64)
+
+
 def _scaled_weights():
     from hf_aoq import Float8Tensor, Int8Tensor, PerTensor
 
@@ -140,6 +192,21 @@ for codes in ("*i8", "*fp8e4nv", "*fp8e5"):
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": triton_jit.NUM_WARPS})
     assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, codes
 for x in ("*bf16", "*fp16", "*fp32"):
+    for group in (32, 64):
+        signature = {"x_ptr": x, "q_ptr": "*u8", "g_ptr": "*u8", "r_ptr": "*u8", "t_ptr": "*fp32", "lut_ptr": "*fp32",
+                     "b_ptr": x, "y_ptr": x, "w_ptr": x, "N": "i32", "K": "i32", "stride_xm": "i32",
+                     "stride_ym": "i32", "stride_qn": "i32", "stride_gn": "i32", "stride_rn": "i32",
+                     "GROUP": "constexpr", "HAS_BIAS": "constexpr", "WRITE_W": "constexpr", "ROUND": "constexpr",
+                     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+        constexprs = {"GROUP": group, "HAS_BIAS": True, "WRITE_W": False, "ROUND": {"*fp32": 0, "*fp16": 1, "*bf16": 2}[x],
+                      "BLOCK_N": triton_jit.BLOCK_N, "BLOCK_K": triton_jit.BLOCK_K}
+        compiled = triton.compile(ASTSource(triton_jit.int4dq_gemv_kernel, signature, constexprs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": triton_jit.NUM_WARPS, "enable_fp_fusion": False})
+        assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, (x, group)
+        # No multiply and add fused: the decoding rounds each operation as torch does.
+        assert "fma.rn.f32" not in compiled.asm["ptx"], (x, group)
+for x in ("*bf16", "*fp16", "*fp32"):
     signature = {"x_ptr": x, "q_ptr": "*i8", "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32", "stride_qm": "i32",
                  "BLOCK_K": "constexpr"}
     compiled = triton.compile(ASTSource(triton_jit.quantize_rows_int8_kernel, signature,
@@ -161,13 +228,18 @@ def test_the_kernels_compile_for_an_h200():
 
 def test_the_rows_are_chosen_on_cuda_at_few_rows(monkeypatch):
     """On a GPU with triton: the Triton GEMV for a canonical Int4Tensor (here N = 20, which
-    tinygemm cannot take) and for int8 / float8 weight-only weights at few rows, the reference
-    at many."""
+    tinygemm cannot take), for Int4DQ and for int8 / float8 weight-only weights at few rows, the
+    reference at many."""
     sys.path.insert(0, os.path.dirname(__file__))
     from test_cuda_contracts import fake_gpu
 
     q = Int4WeightOnlyConfig(32).quantize_weight(torch.randn(20, 256, dtype=torch.bfloat16))
     weights = _scaled_weights()
+    dq = _int4dq(20, 256, 32)
+    # A slice along K (qdata strided along N): not the row's (the reference reads it).
+    from hf_aoq.kernels.triton_kernels import _int4dq_gemv_applies
+
+    assert _int4dq_gemv_applies(torch.empty(1, 256), dq) and not _int4dq_gemv_applies(torch.empty(1, 64), dq[:, :64])
     with fake_gpu(monkeypatch):
         registry._CAPABLE[("cuda:triton", "cuda", 0)] = True
         on_gpu = q.to("cuda").place()
@@ -176,6 +248,13 @@ def test_the_rows_are_chosen_on_cuda_at_few_rows(monkeypatch):
                                      on_gpu).name == "triton_int4_gemv"
         assert kernels.select_kernel("linear", torch.empty(64, 256, dtype=torch.bfloat16, device="cuda"),
                                      on_gpu).name == "reference"
+        dq = dq.to("cuda").place()
+        assert dq.packing is None  # no CUDA packing: the canonical layout the kernel reads
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = torch.empty(1, 256, dtype=dtype, device="cuda")
+            assert kernels.select_kernel("linear", x, dq).name == "triton_int4dq_gemv", dtype
+        assert kernels.select_kernel("linear", torch.empty(8, 256, device="cuda"), dq).name == "triton_int4dq_gemv"
+        assert kernels.select_kernel("linear", torch.empty(9, 256, device="cuda"), dq).name == "reference"
         one_row = torch.empty(1, 320, dtype=torch.bfloat16, device="cuda")
         for name, q in weights.items():
             on_gpu = q.to("cuda").place()
