@@ -127,3 +127,25 @@ def test_torch_compile_agrees_with_eager():
         torch._dynamo.reset()
         compiled = torch.compile(lin, backend="inductor", fullgraph=True)(x)
     assert torch.equal(eager, compiled)
+
+
+def test_torch_compile_sees_one_custom_op():
+    from torch._dynamo.backends.common import aot_autograd
+
+    w = mx_weight(40, 96)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    lin.weight = torch.nn.Parameter(w, requires_grad=False)
+    ops = []
+
+    def record(gm, inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    lin = lin.to(torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lin, backend=aot_autograd(fw_compiler=record), fullgraph=True)(x)
+        assert torch.equal(got, lin(x))
+    assert [op for op in ops if op.startswith("hf_aoq.")] == ["hf_aoq.mxfp4_linear_io_cpu.default"], ops
+    assert not any("linear" in op or "mm" in op for op in ops if not op.startswith("hf_aoq.")), ops
