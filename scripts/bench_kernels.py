@@ -86,6 +86,15 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     out.append(("hf_aoq fp8 F.linear", lambda: F.linear(x, q8f)))
     if gemm:
         out.append((f"hf_aoq fp8 dequant {str(dtype)[6:]} + aten GEMM", lambda: cpu_gemm._fp8(x, q8f, None)))
+    from hf_aoq.kernels import cpu_mx, reference
+    from hf_aoq.tensors.mx import FP4, MXTensor
+
+    mx4 = MXTensor.from_float(w.to(dtype), FP4)
+    if ext is not None:
+        out.append(("hf_aoq mxfp4 gemv", lambda: cpu_mx.mxfp4_linear_io(x, mx4.qdata, mx4.scale, k, None)))
+    out.append(("hf_aoq mxfp4 reference", lambda: reference.reference_linear(x, mx4, None)))
+    q4g32 = Int4Tensor.from_float(w.to(dtype), 32).place()
+    out.append(("hf_aoq int4 g32 F.linear", lambda: F.linear(x, q4g32)))
     if dtype == torch.float16:
         w_fp16 = w.half()
         out.insert(2, ("dense fp16", lambda: F.linear(x, w_fp16)))

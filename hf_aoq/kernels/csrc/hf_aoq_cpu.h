@@ -34,6 +34,10 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
 torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift);
 torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t shift, torch::ScalarType dtype);
 
+// mx.cpp: MXTensor with e2m1 elements (MXFP4), weight-only, F.linear in one call.
+torch::Tensor mxfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t k,
+                              c10::optional<torch::Tensor> bias);
+
 // linear_io.cpp: F.linear(x, weight, bias) per format in one call.
 torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                                  int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
