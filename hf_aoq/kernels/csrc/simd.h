@@ -1,6 +1,7 @@
 // AVX2 building blocks shared by the CPU kernels. Internal linkage (an anonymous namespace):
 // each translation unit gets its own copy, compiled with that unit's instruction-set flags.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -47,6 +48,90 @@ inline void dot_rows4(const float* x, const T* r0, int64_t K, const Widen8& wide
     out[1] += x[k] * widen1(r1[k]);
     out[2] += x[k] * widen1(r2[k]);
     out[3] += x[k] * widen1(r3[k]);
+  }
+}
+// The widest float32 vector the build allows, for `dot_tile4`: kLanes lanes.
+#if defined(__AVX512F__)
+using vfloat = __m512;
+constexpr int kLanes = 16;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+#else
+using vfloat = __m256;
+constexpr int kLanes = 8;
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vfloat v) { return hsum(v); }
+#endif
+
+// Activation rows per register tile in `dot_tile4`: with AVX-512's 32 vector registers four
+// (16 accumulators, 4 weight vectors, 1 activation vector); with AVX2's 16, two.
+#if defined(__AVX512F__)
+constexpr int kTileRows = 4;
+#else
+constexpr int kTileRows = 2;
+#endif
+
+// MB activation rows (x, rows K apart) against four weight rows w[0..3] (pointers: a tail block
+// may repeat a row): each weight vector is widened once for the MB rows and each x vector loaded
+// once for the four weight rows, so the weight is read once per MB activation rows. widen(p)
+// gives the float32 values of the kLanes codes at p, widen1(c) of one code. out[i * 4 + j] gets
+// the dot product of activation row i with weight row j, accumulated in float32.
+template <int MB, typename T, class Widen, class Widen1>
+inline void dot_tile4(const float* x, const T* const* w, int64_t K, const Widen& widen, const Widen1& widen1,
+                      float* out) {
+  vfloat acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    const vfloat w0 = widen(w[0] + k), w1 = widen(w[1] + k), w2 = widen(w[2] + k), w3 = widen(w[3] + k);
+    for (int i = 0; i < MB; ++i) {
+      const vfloat xv = vload(x + i * K + k);
+      acc[i][0] = vfma(xv, w0, acc[i][0]);
+      acc[i][1] = vfma(xv, w1, acc[i][1]);
+      acc[i][2] = vfma(xv, w2, acc[i][2]);
+      acc[i][3] = vfma(xv, w3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) out[i * 4 + j] = vsum(acc[i][j]);
+  for (; k < K; ++k)
+    for (int j = 0; j < 4; ++j) {
+      const float wk = widen1(w[j][k]);
+      for (int i = 0; i < MB; ++i) out[i * 4 + j] += x[i * K + k] * wk;
+    }
+}
+
+// All M activation rows against weight rows [4 * b0, 4 * b1) of q ([N, K], rows K apart), in
+// tiles of four weight rows by up to kTileRows activation rows; store(m, n, dot) takes each
+// float32 dot product. Weight rows past N repeat row N - 1 and are not stored.
+template <typename T, class Widen, class Widen1, class Store>
+inline void tiled_dots(const float* x, const T* q, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1,
+                       const Widen& widen, const Widen1& widen1, const Store& store) {
+  float d[kTileRows * 4];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = 4 * b;
+    const T* w[4];
+    for (int j = 0; j < 4; ++j) w[j] = q + std::min<int64_t>(n0 + j, N - 1) * K;
+    const int nj = static_cast<int>(std::min<int64_t>(4, N - n0));
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int mb = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+      const float* xm = x + m0 * K;
+      switch (mb) {
+        case 1: dot_tile4<1>(xm, w, K, widen, widen1, d); break;
+#if defined(__AVX512F__)
+        case 2: dot_tile4<2>(xm, w, K, widen, widen1, d); break;
+        case 3: dot_tile4<3>(xm, w, K, widen, widen1, d); break;
+#endif
+        default: dot_tile4<kTileRows>(xm, w, K, widen, widen1, d); break;
+      }
+      for (int i = 0; i < mb; ++i)
+        for (int j = 0; j < nj; ++j) store(m0 + i, n0 + j, d[i * 4 + j]);
+    }
   }
 }
 #endif
