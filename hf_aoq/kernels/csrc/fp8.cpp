@@ -147,12 +147,17 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
   const int s = static_cast<int>(shift);
   const float half_factor = shift == 20 ? std::ldexp(1.f, 60) : std::ldexp(1.f, 56);
 #if defined(__AVX2__)
-  if (M > 1) {  // tiles of four weight rows by up to kTileRows activation rows (simd.h)
+  // Tiles of four weight rows by up to kTileRows activation rows (simd.h). Here the first half of
+  // the factor goes onto each widened code (exact: it lands on the code's value times 2^-60, a
+  // normal float32) rather than onto the dot product: the products and partial sums then stay
+  // far from float32's subnormal range, where each one would cost a microcode assist.
+  if (M > 1) {
     at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
       DenormalsKept keep;
-      tiled_dots(xp, cp, M, N, K, b0, b1, [s](const uint8_t* p) { return codes_to_scaled_lanes(p, s); },
-                 [s](uint8_t c) { return code_to_scaled_float(c, s); },
-                 [&](int64_t m, int64_t n, float d) { op[m * N + n] = (d * half_factor) * (sp[n] * half_factor); });
+      tiled_dots(xp, cp, M, N, K, b0, b1,
+                 [s, half_factor](const uint8_t* p) { return vscale(codes_to_scaled_lanes(p, s), half_factor); },
+                 [s, half_factor](uint8_t c) { return code_to_scaled_float(c, s) * half_factor; },
+                 [&](int64_t m, int64_t n, float d) { op[m * N + n] = d * (sp[n] * half_factor); });
     });
     return out;
   }
