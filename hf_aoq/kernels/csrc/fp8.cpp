@@ -51,7 +51,7 @@ inline __m256 codes_to_scaled_floats(const uint8_t* p, int shift) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 21), _mm256_set1_epi32(int(0x8FE00000u))));
 }
 
-// codes_to_scaled_floats over kLanes codes (simd.h's widest vector).
+// codes_to_scaled_floats over the kLanes codes at p (simd.h).
 inline vfloat codes_to_scaled_lanes(const uint8_t* p, int shift) {
 #if defined(__AVX512F__)
   const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -59,7 +59,7 @@ inline vfloat codes_to_scaled_lanes(const uint8_t* p, int shift) {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int(0x87F00000u))));
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 21), _mm512_set1_epi32(int(0x8FE00000u))));
 #else
-  return codes_to_scaled_floats(p, shift);
+  return {codes_to_scaled_floats(p, shift), codes_to_scaled_floats(p + 8, shift)};
 #endif
 }
 

@@ -20,12 +20,12 @@ inline __m256 int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The float32 values of kLanes codes at p (simd.h's widest vector).
+// The float32 values of the kLanes codes at p (simd.h).
 inline vfloat int8_lanes(const int8_t* p) {
 #if defined(__AVX512F__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
-  return int8x8(p);
+  return {int8x8(p), int8x8(p + 8)};
 #endif
 }
 

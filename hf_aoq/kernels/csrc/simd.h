@@ -51,33 +51,40 @@ inline void dot_rows4(const float* x, const T* r0, int64_t K, const Widen8& wide
     out[3] += x[k] * widen1(r3[k]);
   }
 }
-// The widest float32 vector the build allows, for `dot_tile4`: kLanes lanes.
+// Sixteen float32 lanes for `dot_tile4`: one AVX-512 register, or two AVX2 ones. Both builds
+// add the same products in the same order (lane l sums columns k = l mod 16; vsum adds the upper
+// eight lanes onto the lower, then hsum), so their outputs are bit for bit equal.
+constexpr int kLanes = 16;
 #if defined(__AVX512F__)
 using vfloat = __m512;
-constexpr int kLanes = 16;
 inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
 inline vfloat vscale(vfloat v, float f) { return _mm512_mul_ps(v, _mm512_set1_ps(f)); }
+inline float vsum(vfloat v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
 #else
-using vfloat = __m256;
-constexpr int kLanes = 8;
-inline vfloat vzero() { return _mm256_setzero_ps(); }
-inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
-inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vfloat v) { return hsum(v); }
-inline vfloat vscale(vfloat v, float f) { return _mm256_mul_ps(v, _mm256_set1_ps(f)); }
+struct vfloat {
+  __m256 lo, hi;
+};
+inline vfloat vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vfloat vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vfloat vscale(vfloat v, float f) {
+  const __m256 s = _mm256_set1_ps(f);
+  return {_mm256_mul_ps(v.lo, s), _mm256_mul_ps(v.hi, s)};
+}
+inline float vsum(vfloat v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
 #endif
 
 // Activation rows per register tile in `dot_tile4`: with AVX-512's 32 vector registers six
-// (24 accumulators, 4 weight vectors, 1 activation vector); with AVX2's 16, two.
+// (24 accumulators, 4 weight vectors, 1 activation vector); with AVX2's 16, one. The tile does
+// not change any output's value.
 #if defined(__AVX512F__)
 constexpr int kTileRows = 6;
 #else
-constexpr int kTileRows = 2;
+constexpr int kTileRows = 1;
 #endif
 
 // MB activation rows (x, rows ldx apart) against four weight rows w[0..3] of K columns (pointers: a tail block
@@ -129,8 +136,9 @@ inline void dot_tile4_rows(int mb, const float* x, int64_t ldx, const T* const* 
 
 // All M activation rows against weight rows [4 * b0, 4 * b1) of q ([N, K], rows K apart), in
 // tiles of four weight rows by up to kTileRows activation rows; store(m, n, dot) takes each
-// float32 dot product. Weight rows past N repeat row N - 1 and are not stored. Up to kTileRows
-// rows: one tile, widening in registers. More: per chunk of kChunk columns the four weight rows
+// float32 dot product, the sum of its kChunk-column chunks' partial sums. Weight rows past N
+// repeat row N - 1 and are not stored. Up to kTileRows rows: one tile, widening in registers.
+// More: per chunk of kChunk columns the four weight rows
 // are widened once into a float32 buffer that every tile then reads (the widening would
 // otherwise be repeated per tile), and the chunks' float32 partial sums are added.
 template <typename T, class Widen, class Widen1, class Store>
@@ -139,7 +147,7 @@ inline void tiled_dots(const float* x, const T* q, int64_t M, int64_t N, int64_t
   constexpr int64_t kChunk = 512;  // 4 widened rows (8 KB) and 16 activation rows (32 KB) stay in L1
   alignas(64) float wbuf[4 * kChunk];
   float d[kTileRows * 4];
-  std::vector<float> sums(M > kTileRows ? M * 4 : 0);
+  std::vector<float> sums(M * 4);
   const auto vcopy = [](const float* p) { return vload(p); };
   const auto same = [](float v) { return v; };
   for (int64_t b = b0; b < b1; ++b) {
@@ -147,13 +155,17 @@ inline void tiled_dots(const float* x, const T* q, int64_t M, int64_t N, int64_t
     const T* w[4];
     for (int j = 0; j < 4; ++j) w[j] = q + std::min<int64_t>(n0 + j, N - 1) * K;
     const int nj = static_cast<int>(std::min<int64_t>(4, N - n0));
-    if (M <= kTileRows) {
-      dot_tile4_rows(static_cast<int>(M), x, K, w, K, widen, widen1, d);
+    std::fill(sums.begin(), sums.end(), 0.f);
+    if (M <= kTileRows) {  // one tile, widening in registers; the same chunked sums
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const T* wk[4] = {w[0] + k0, w[1] + k0, w[2] + k0, w[3] + k0};
+        dot_tile4_rows(static_cast<int>(M), x + k0, K, wk, std::min<int64_t>(kChunk, K - k0), widen, widen1, d);
+        for (int64_t i = 0; i < M * 4; ++i) sums[i] += d[i];
+      }
       for (int i = 0; i < M; ++i)
-        for (int j = 0; j < nj; ++j) store(i, n0 + j, d[i * 4 + j]);
+        for (int j = 0; j < nj; ++j) store(i, n0 + j, sums[i * 4 + j]);
       continue;
     }
-    std::fill(sums.begin(), sums.end(), 0.f);
     for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
       const int64_t len = std::min<int64_t>(kChunk, K - k0);
       for (int j = 0; j < 4; ++j) {
