@@ -286,7 +286,14 @@ def int8_cpu_linear(x, w, bias):
 # hf_aoq's own int8 kernel (csrc/int8.cpp), in float32: at batch 1 about as fast as aten's
 # bf16 kernel and 10-30x its float32 kernel; at many rows a chunked dequantize (q * scale, as the
 # reference) + float32 GEMM, about 2x aten's bf16 kernel at 256 rows.
-INT8_GEMV_MAX_ROWS = 8  # measured crossover with dequantize + GEMM, 2048x5632, one thread
+# The GEMV's tiles (csrc/simd.h) are 4 weight rows x 6 activation rows on AVX-512 builds, x 1 on
+# AVX2 (same outputs). AVX-512 (2-vCPU Xeon, 2048x5632, float32 and bf16 activations, medians of
+# interleaved rounds): the tiled GEMV beat float32 dequantize + GEMM at every row count measured
+# up to 48 (48 rows: 11.9 against 15.2 ms) and the AMX bf16 rows (cpu_gemm.MIN_ROWS) up to 32
+# (7.3 against 8.3 ms; 48: 11.9 against 10.5). One limit for every build, so that the AVX2 and
+# AVX-512 builds compute the same numbers (tests/kernels/test_cpu_isa.py); AVX2 not re-measured.
+_TILED_GEMV_MAX_ROWS = 40
+INT8_GEMV_MAX_ROWS = _TILED_GEMV_MAX_ROWS
 
 
 @opaque_op("int8_linear_io_cpu", _linear_out)
@@ -306,7 +313,7 @@ def int8_ext_linear(x, w, bias):
 # ---------------------------------------------------------------------- float8
 # The bit-trick shift of each float8 format in csrc/fp8_cpu.cpp (the kernels undo its scaling).
 _FP8_SHIFT = {torch.float8_e4m3fn: 20, torch.float8_e5m2: 21}
-FP8_GEMV_MAX_ROWS = 16  # above this, one upcast of the weight and a float32 GEMM win
+FP8_GEMV_MAX_ROWS = _TILED_GEMV_MAX_ROWS  # above this, one upcast of the weight and a float32 GEMM win
 
 
 @opaque_op("fp8_linear_io_cpu", _linear_out)

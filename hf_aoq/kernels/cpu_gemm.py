@@ -36,7 +36,9 @@ BF16_GEMM_AMX = capability("cpu:bf16_gemm_amx", "cpu", lambda device: cpu_isa.bf
 # 2-vCPU Xeon with AMX. int4 against the int16-code kernel (AVX-512 VNNI build): new/old 1.1-1.7
 # at 32-48 rows, 0.8-1.1 at 64, 0.5 at 128, 0.4 at 256. int8 and float8 against their GEMVs (up to
 # 8 and 16 rows) and float32 dequantize + GEMM above: 1.5-2.8 at 8 rows, 0.6-0.95 at 16, 0.3 at 256.
-MIN_ROWS = {"int4": 96, "int8": 16, "fp8": 16}
+# Against the tiled int8/float8 GEMVs (4 x 6 register tiles, kernels/cpu.py): 2.9-3.7 at 8 rows,
+# 2.5 at 16, 1.1-1.15 at 32, 0.88-0.9 at 48, so they start at 40 (the GEMVs' limit there).
+MIN_ROWS = {"int4": 96, "int8": 40, "fp8": 40}
 
 
 def _rows(x) -> int:

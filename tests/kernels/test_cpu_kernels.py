@@ -372,3 +372,40 @@ def test_unaligned_activation(config):
     x = torch.randn(193, dtype=torch.bfloat16)[1:].view(3, 64)
     assert x.data_ptr() % 4
     assert torch.allclose(F.linear(x, q).float(), F.linear(x.clone(), q).float())
+
+
+def assert_elementwise_close(x, w, got):
+    """Each output element within float32 accumulation error of the float64 product: K * 2^-23
+    times sum |x| |w|, so any element computed from wrong rows or columns (a tile's tail) fails."""
+    x64, w64 = x.double(), w.double()
+    bound = x.shape[1] * 2.0 ** -23 * (x64.abs() @ w64.abs().t())
+    err = (got.double() - x64 @ w64.t()).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@needs_ext
+@pytest.mark.parametrize("kind", ["int8", torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("n,k", [(48, 512), (45, 100), (46, 527), (47, 7), (44, 33)])
+def test_int8_fp8_gemv_every_row_count(kind, n, k):
+    """The few-rows kernels tile four weight rows by up to four activation rows: every row count
+    1..20 on the GEMV itself (crossover out of the way), with row tails (N mod 4 = 1..3) and column
+    tails (K below one vector, K mod 16 = 1..15), element by element against float64; and through
+    F.linear with the library's crossovers."""
+    from hf_aoq import Float8Tensor
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k)
+    ext = cpu_ext.load()
+    if kind == "int8":
+        q = Int8Tensor.from_float(w)
+        scale = q.scale.reshape(-1).float().contiguous()
+        gemv = lambda x: ext.int8_linear(x, q.qdata, scale, 1000)  # noqa: E731
+    else:
+        q = Float8Tensor.from_float(w, kind)
+        scale = q.scale.reshape(-1).float().contiguous()
+        gemv = lambda x: ext.fp8_linear(x, q.qdata.view(torch.uint8), scale, cpu._FP8_SHIFT[kind])  # noqa: E731
+    wd = q.dequantize(torch.float32)
+    for m in range(1, 21):
+        x = torch.randn(m, k)
+        assert_elementwise_close(x, wd, gemv(x))
+        assert_elementwise_close(x, wd, F.linear(x, q))

@@ -51,6 +51,18 @@ inline __m256 codes_to_scaled_floats(const uint8_t* p, int shift) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 21), _mm256_set1_epi32(int(0x8FE00000u))));
 }
 
+// codes_to_scaled_floats over the kLanes codes at p (simd.h).
+inline vfloat codes_to_scaled_lanes(const uint8_t* p, int shift) {
+#if defined(__AVX512F__)
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if (shift == 20)
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int(0x87F00000u))));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 21), _mm512_set1_epi32(int(0x8FE00000u))));
+#else
+  return {codes_to_scaled_floats(p, shift), codes_to_scaled_floats(p + 8, shift)};
+#endif
+}
+
 // Dot products of one weight row with MB activation rows, U independent accumulator chains per
 // activation row (one chain would leave the loop waiting on FMA latency).
 template <int MB, int U>
@@ -134,6 +146,22 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
   float* op = out.data_ptr<float>();
   const int s = static_cast<int>(shift);
   const float half_factor = shift == 20 ? std::ldexp(1.f, 60) : std::ldexp(1.f, 56);
+#if defined(__AVX2__)
+  // Tiles of four weight rows by up to kTileRows activation rows (simd.h). Here the first half of
+  // the factor goes onto each widened code (exact: it lands on the code's value times 2^-60, a
+  // normal float32) rather than onto the dot product: the products and partial sums then stay
+  // far from float32's subnormal range, where each one would cost a microcode assist.
+  if (M > 1) {
+    at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
+      DenormalsKept keep;
+      tiled_dots(xp, cp, M, N, K, b0, b1,
+                 [s, half_factor](const uint8_t* p) { return vscale(codes_to_scaled_lanes(p, s), half_factor); },
+                 [s, half_factor](uint8_t c) { return code_to_scaled_float(c, s) * half_factor; },
+                 [&](int64_t m, int64_t n, float d) { op[m * N + n] = d * (sp[n] * half_factor); });
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     DenormalsKept keep;
     constexpr int64_t MB = 4;  // activation rows per pass over a weight row
@@ -154,12 +182,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
         float acc[MB] = {0.f, 0.f, 0.f, 0.f};
         const float* xm = xp + m0 * K;
 #if defined(__AVX2__)
-        switch (mb) {
-          case 1: fp8_row_dots<1, 4>(row, xm, K, s, acc); break;
-          case 2: fp8_row_dots<2, 2>(row, xm, K, s, acc); break;
-          case 3: fp8_row_dots<3, 2>(row, xm, K, s, acc); break;
-          default: fp8_row_dots<4, 1>(row, xm, K, s, acc); break;
-        }
+        fp8_row_dots<1, 4>(row, xm, K, s, acc);  // M == 1 here: the tail rows of a chunk
 #else
         for (int64_t k = 0; k < K; ++k) {
           const float w = code_to_scaled_float(row[k], s);

@@ -20,6 +20,15 @@ inline __m256 int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// The float32 values of the kLanes codes at p (simd.h).
+inline vfloat int8_lanes(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return {int8x8(p), int8x8(p + 8)};
+#endif
+}
+
 // One activation row against weight rows n..n+3 (dot_rows4 in simd.h).
 inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, float* out) {
   dot_rows4(x, q + n * K, K, [](const int8_t* p) { return int8x8(p); }, [](int8_t c) { return float(c); }, out);
@@ -27,7 +36,8 @@ inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, flo
 #endif
 
 // y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row four weight rows at a time,
-// more rows two activation rows at a time.
+// more rows in tiles of four weight rows by several activation rows (each weight byte read once
+// per tile of activation rows); without AVX2, one row at a time.
 void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX2__)
   if (M == 1 && N % 4 == 0) {
@@ -37,6 +47,13 @@ void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, in
         int8_dot4(x, q, K, 4 * b, d);
         for (int j = 0; j < 4; ++j) y[4 * b + j] = d[j] * scale[4 * b + j];
       }
+    });
+    return;
+  }
+  if (M > 1) {  // tiles of four weight rows by up to kTileRows activation rows (simd.h)
+    at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
+      tiled_dots(x, q, M, N, K, b0, b1, [](const int8_t* p) { return int8_lanes(p); }, [](int8_t c) { return float(c); },
+                 [&](int64_t m, int64_t n, float d) { y[m * N + n] = d * scale[n]; });
     });
     return;
   }

@@ -1,7 +1,9 @@
 // AVX2 building blocks shared by the CPU kernels. Internal linkage (an anonymous namespace):
 // each translation unit gets its own copy, compiled with that unit's instruction-set flags.
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -47,6 +49,141 @@ inline void dot_rows4(const float* x, const T* r0, int64_t K, const Widen8& wide
     out[1] += x[k] * widen1(r1[k]);
     out[2] += x[k] * widen1(r2[k]);
     out[3] += x[k] * widen1(r3[k]);
+  }
+}
+// Sixteen float32 lanes for `dot_tile4`: one AVX-512 register, or two AVX2 ones. Both builds
+// add the same products in the same order (lane l sums columns k = l mod 16; vsum adds the upper
+// eight lanes onto the lower, then hsum), so their outputs are bit for bit equal.
+constexpr int kLanes = 16;
+#if defined(__AVX512F__)
+using vfloat = __m512;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vscale(vfloat v, float f) { return _mm512_mul_ps(v, _mm512_set1_ps(f)); }
+inline float vsum(vfloat v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
+#else
+struct vfloat {
+  __m256 lo, hi;
+};
+inline vfloat vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vfloat vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline vfloat vscale(vfloat v, float f) {
+  const __m256 s = _mm256_set1_ps(f);
+  return {_mm256_mul_ps(v.lo, s), _mm256_mul_ps(v.hi, s)};
+}
+inline float vsum(vfloat v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
+#endif
+
+// Activation rows per register tile in `dot_tile4`: with AVX-512's 32 vector registers six
+// (24 accumulators, 4 weight vectors, 1 activation vector); with AVX2's 16, one. The tile does
+// not change any output's value.
+#if defined(__AVX512F__)
+constexpr int kTileRows = 6;
+#else
+constexpr int kTileRows = 1;
+#endif
+
+// MB activation rows (x, rows ldx apart) against four weight rows w[0..3] of K columns (pointers: a tail block
+// may repeat a row): each weight vector is widened once for the MB rows and each x vector loaded
+// once for the four weight rows, so the weight is read once per MB activation rows. widen(p)
+// gives the float32 values of the kLanes codes at p, widen1(c) of one code. out[i * 4 + j] gets
+// the dot product of activation row i with weight row j, accumulated in float32.
+template <int MB, typename T, class Widen, class Widen1>
+inline void dot_tile4(const float* x, int64_t ldx, const T* const* w, int64_t K, const Widen& widen,
+                      const Widen1& widen1, float* out) {
+  vfloat acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    const vfloat w0 = widen(w[0] + k), w1 = widen(w[1] + k), w2 = widen(w[2] + k), w3 = widen(w[3] + k);
+    for (int i = 0; i < MB; ++i) {
+      const vfloat xv = vload(x + i * ldx + k);
+      acc[i][0] = vfma(xv, w0, acc[i][0]);
+      acc[i][1] = vfma(xv, w1, acc[i][1]);
+      acc[i][2] = vfma(xv, w2, acc[i][2]);
+      acc[i][3] = vfma(xv, w3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) out[i * 4 + j] = vsum(acc[i][j]);
+  for (; k < K; ++k)
+    for (int j = 0; j < 4; ++j) {
+      const float wk = widen1(w[j][k]);
+      for (int i = 0; i < MB; ++i) out[i * 4 + j] += x[i * ldx + k] * wk;
+    }
+}
+
+// One tile of mb (1..kTileRows) activation rows: dot_tile4 with the row count as a constant.
+template <typename T, class Widen, class Widen1>
+inline void dot_tile4_rows(int mb, const float* x, int64_t ldx, const T* const* w, int64_t K, const Widen& widen,
+                           const Widen1& widen1, float* out) {
+  switch (mb) {
+    case 1: dot_tile4<1>(x, ldx, w, K, widen, widen1, out); break;
+#if defined(__AVX512F__)
+    case 2: dot_tile4<2>(x, ldx, w, K, widen, widen1, out); break;
+    case 3: dot_tile4<3>(x, ldx, w, K, widen, widen1, out); break;
+    case 4: dot_tile4<4>(x, ldx, w, K, widen, widen1, out); break;
+    case 5: dot_tile4<5>(x, ldx, w, K, widen, widen1, out); break;
+#endif
+    default: dot_tile4<kTileRows>(x, ldx, w, K, widen, widen1, out); break;
+  }
+}
+
+// All M activation rows against weight rows [4 * b0, 4 * b1) of q ([N, K], rows K apart), in
+// tiles of four weight rows by up to kTileRows activation rows; store(m, n, dot) takes each
+// float32 dot product, the sum of its kChunk-column chunks' partial sums. Weight rows past N
+// repeat row N - 1 and are not stored. Up to kTileRows rows: one tile, widening in registers.
+// More: per chunk of kChunk columns the four weight rows
+// are widened once into a float32 buffer that every tile then reads (the widening would
+// otherwise be repeated per tile), and the chunks' float32 partial sums are added.
+template <typename T, class Widen, class Widen1, class Store>
+inline void tiled_dots(const float* x, const T* q, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1,
+                       const Widen& widen, const Widen1& widen1, const Store& store) {
+  constexpr int64_t kChunk = 512;  // 4 widened rows (8 KB) and 16 activation rows (32 KB) stay in L1
+  alignas(64) float wbuf[4 * kChunk];
+  float d[kTileRows * 4];
+  std::vector<float> sums(M * 4);
+  const auto vcopy = [](const float* p) { return vload(p); };
+  const auto same = [](float v) { return v; };
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = 4 * b;
+    const T* w[4];
+    for (int j = 0; j < 4; ++j) w[j] = q + std::min<int64_t>(n0 + j, N - 1) * K;
+    const int nj = static_cast<int>(std::min<int64_t>(4, N - n0));
+    std::fill(sums.begin(), sums.end(), 0.f);
+    if (M <= kTileRows) {  // one tile, widening in registers; the same chunked sums
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const T* wk[4] = {w[0] + k0, w[1] + k0, w[2] + k0, w[3] + k0};
+        dot_tile4_rows(static_cast<int>(M), x + k0, K, wk, std::min<int64_t>(kChunk, K - k0), widen, widen1, d);
+        for (int64_t i = 0; i < M * 4; ++i) sums[i] += d[i];
+      }
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < nj; ++j) store(i, n0 + j, sums[i * 4 + j]);
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+      const int64_t len = std::min<int64_t>(kChunk, K - k0);
+      for (int j = 0; j < 4; ++j) {
+        float* o = wbuf + j * kChunk;
+        int64_t k = 0;
+        for (; k + kLanes <= len; k += kLanes) vstore(o + k, widen(w[j] + k0 + k));
+        for (; k < len; ++k) o[k] = widen1(w[j][k0 + k]);
+      }
+      const float* wf[4] = {wbuf, wbuf + kChunk, wbuf + 2 * kChunk, wbuf + 3 * kChunk};
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int mb = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
+        dot_tile4_rows(mb, x + m0 * K + k0, K, wf, len, vcopy, same, d);
+        for (int i = 0; i < mb; ++i)
+          for (int j = 0; j < 4; ++j) sums[(m0 + i) * 4 + j] += d[i * 4 + j];
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < nj; ++j) store(m, n0 + j, sums[m * 4 + j]);
   }
 }
 #endif
