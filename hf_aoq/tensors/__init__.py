@@ -4,5 +4,6 @@ from .int4 import Int4Tensor
 from .int4dq import Int4DQTensor
 from .int8 import Int8Tensor
 from .mx import MXTensor
+from . import sharding  # noqa: F401  (the ops tensor-parallel shards use)
 
 __all__ = ["Int4Tensor", "Int4DQTensor", "Int8Tensor", "Float8Tensor", "MXTensor"]

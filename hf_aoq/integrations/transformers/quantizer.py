@@ -24,6 +24,7 @@ from ...quantize import Decision, plan, reads_only_by_linear, tie_groups
 from .config import AOQConfig
 from .ops import AOQLoad, AOQQuantize, _parent, _storage_key
 from .sizes import _quantized_nbytes
+from .tensor_parallel import TensorParallelLoad, probe_layout, refuse_sharded_save
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class AOQHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self._configs: dict[str, AOQBaseConfig] = {}  # quantize-on-load: parameter -> config
         self._entries: dict[str, Any] = {}  # pre-quantized: parameter -> serialization.TensorEntry
+        self._layouts: dict[str, AOQTensor] = {}  # pre-quantized: parameter -> its tensor on the meta device
         self._nbytes: dict[str, int] = {}  # parameter -> bytes it takes once quantized
         self._plan: dict[str, Decision] = {}  # quantize-on-load: hf_aoq.quantize.plan of the empty model
         self._linear_only: set[str] = set()  # parameters read only by nn.Linear: placed for a kernel
@@ -62,6 +64,7 @@ class AOQHfQuantizer(HfQuantizer):
         self._source = "<checkpoint>"  # names the checkpoint in errors
         self._files: list[str] = []  # the checkpoint's files, whose mapped pages are released as we go
         self._unreleased = 0  # bytes read from them since their pages were last released
+        self._tp: TensorParallelLoad | None = None  # under a tp_plan: cuts what is built to this rank's shard
 
     # ------------------------------------------------------------------ setup
     def validate_environment(self, device_map=None, **kwargs):
@@ -91,6 +94,9 @@ class AOQHfQuantizer(HfQuantizer):
         else:
             self._plan_quantization(model)
             self._linear_only = {n for n, d in self._plan.items() if d.place}
+        # Calibration loads float weights (transformers shards them) and quantizes afterwards.
+        built = self._entries if self.pre_quantized else {} if self._calibrating() else self._configs
+        self._tp = TensorParallelLoad(model, self._layout, built)
 
     def _check_stored_shapes(self, model) -> None:
         """A quantized tensor whose shape is not the model's (config.json edited, or another
@@ -194,7 +200,7 @@ class AOQHfQuantizer(HfQuantizer):
             # Build the tensor on the meta device from the headers: every check of the stored
             # shapes and dtypes against the metadata runs now, before any data is read.
             fields = {f: _meta_field(k, ckpt.stored(k), ckpt.where[k]) for f, k in entry.keys.items()}
-            entry.build(fields, source=ckpt.file_of(entry))
+            self._layouts[target] = entry.build(fields, source=ckpt.file_of(entry))
             self._entries[target] = entry
             self._nbytes[target] = sum(t.numel() * t.element_size() for t in fields.values())
             module_name, leaf = _parent(name)
@@ -230,6 +236,13 @@ class AOQHfQuantizer(HfQuantizer):
         return [WeightConverter(names, leaf, [AOQLoad(self)]) for leaf, names in self._serialized.items()]
 
     # ------------------------------------------------------------------ loading hooks
+    def _layout(self, name: str) -> AOQTensor:
+        """The quantized layout parameter `name` gets (built on the meta device from the
+        checkpoint's headers, or a one-row probe of its config), for tensor_parallel.check_plan."""
+        if self.pre_quantized:
+            return self._layouts[name]
+        return probe_layout(self._configs[name], self._plan[name].shape, torch.bfloat16, name)
+
     def _calibrating(self) -> bool:
         return not self.pre_quantized and self.quantization_config.calibration is not None
 
@@ -263,6 +276,8 @@ class AOQHfQuantizer(HfQuantizer):
             self._mismatched.add(name)
             return weight
         q = config.quantize_weight(weight, name=name)
+        if self._tp is not None:
+            q = self._tp.shard(name, q)
         if name in self._linear_only:
             q = q.place()
         return nn.Parameter(q, requires_grad=False)
@@ -272,6 +287,8 @@ class AOQHfQuantizer(HfQuantizer):
         if entry is None:
             raise FormatError(f"{self._source}: {name} is stored as quantized fields no hf_aoq metadata describes")
         tensor = entry.build(fields, source=self._source)
+        if self._tp is not None:
+            tensor = self._tp.shard(name, tensor)
         dtype = model.get_parameter(name).dtype
         if self.quantization_config.dequantize:
             return tensor.dequantize(dtype)
@@ -290,6 +307,8 @@ class AOQHfQuantizer(HfQuantizer):
             model._weight_conversions = [
                 c for c in conversions if not any(isinstance(op, AOQLoad) for op in getattr(c, "operations", ()))
             ]
+        if self._tp is not None:
+            self._tp.finish(model)
         if self._calibrating():
             self._quantize_with_calibration(model)
         self._release_memory(force=True)
@@ -352,6 +371,7 @@ class AOQHfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model):
         """Plain tensors plus hf_aoq metadata: quantized weights in their canonical layout."""
         state = model.state_dict(keep_vars=True)
+        refuse_sharded_save(state)
         tied_targets = set(getattr(model, "all_tied_weights_keys", {}) or {})
         owner: dict[int, str] = {}
         for name, value in list(state.items()):

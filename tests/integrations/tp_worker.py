@@ -1,0 +1,85 @@
+"""One rank of a tensor-parallel load, launched by tests/integrations/test_tensor_parallel.py
+(or by hand: `python -m torch.distributed.run --nproc_per_node 2 tests/integrations/tp_worker.py
+CASES.json`). For each case it loads a checkpoint with transformers' `tp_plan="auto"` (or
+`distributed_config=DistributedConfig(tp_plan="auto")`), runs one forward pass and records the
+logits and every parameter's local (this rank's) shape and type; rank 0's record goes to the
+case's "out" path, the other ranks' to "<out>.rank<r>". A case that raises records the error.
+
+CASES.json: [{"path": ..., "out": ..., "api": "tp_plan" | "distributed_config",
+              "quant": null or a name in RECIPES, "input_ids": [[...]]}, ...]
+"""
+import json
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+RECIPES = {
+    "int4": lambda h: h.Int4WeightOnlyConfig(group_size=32),
+    "int4dq": lambda h: h.Int4DQWeightOnlyConfig(group_size=32),
+    "int8": lambda h: h.Int8WeightOnlyConfig(),
+    "fp8": lambda h: h.Float8WeightOnlyConfig(),
+    "fp8_tensor": lambda h: h.Float8WeightOnlyConfig(granularity=h.PerTensor()),
+}
+
+
+def aoq_config(quant):
+    """The AOQConfig a case names (None: no quantization_config)."""
+    import hf_aoq
+
+    return None if quant is None else hf_aoq.AOQConfig(RECIPES[quant](hf_aoq))
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def run_case(case, rank):
+    import hf_aoq  # noqa: F401  (registers "aoq")
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    kwargs = {"dtype": torch.bfloat16}
+    quant = aoq_config(case.get("quant"))
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    if case["api"] == "tp_plan":
+        kwargs["tp_plan"] = "auto"
+    else:
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(case["path"], **kwargs)
+    ids = torch.tensor(case["input_ids"])
+    with torch.no_grad():
+        logits = model(ids).logits
+    params = {}
+    for name, p in model.named_parameters():
+        local = _local(p.data if isinstance(p, torch.nn.Parameter) else p)
+        params[name] = {"type": type(local).__name__, "shape": list(local.shape),
+                        "global": list(p.shape)}
+    if case.get("save"):
+        model.save_pretrained(case["save"])
+    return {"ok": True, "logits": logits.float().tolist(), "params": params}
+
+
+def main():
+    cases = json.load(open(sys.argv[1]))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for case in cases:
+        try:
+            record = run_case(case, rank)
+        except Exception as e:  # recorded for the test to assert on
+            record = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        out = case["out"] if rank == 0 else f"{case['out']}.rank{rank}"
+        with open(out, "w") as f:
+            json.dump(record, f)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
