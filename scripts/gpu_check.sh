@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_check.sh             # on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run   # print what it would run (any machine), exit 0
+#   bash scripts/gpu_check.sh --tp2       # also: tensor-parallel loading on 2 GPUs over NCCL
+#                                         # (tests/integrations/test_tensor_parallel.py, ~1 minute)
 #
 # The GPU machine may have no network: wheels under ./wheels (if there) are installed from
 # there, nothing is downloaded. An older torch there is fine: hf_aoq's CUDA rows check the torch
@@ -12,10 +14,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
+TP2=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
-    *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+    --tp2) TP2=1 ;;
+    *) echo "usage: $0 [--dry-run] [--tp2]" >&2; exit 2 ;;
   esac
 done
 OUT=${OUT:-./gpu_check_out}
@@ -29,6 +33,7 @@ export HF_AOQ_NO_CPU_EXT=${HF_AOQ_NO_CPU_EXT-1}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-60}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-90}
+TP_TIMEOUT=${TP_TIMEOUT:-180}
 
 run() {  # print a step; run it unless --dry-run
   echo "+ $*"
@@ -58,10 +63,17 @@ run timeout "$TEST_TIMEOUT" "${PYTEST[@]}" tests/kernels/test_cuda_contracts.py 
 tests_rc=$?
 run timeout "$COMPILE_TIMEOUT" "${PYTEST[@]}" tests/kernels/test_cuda.py -k compile --junitxml "$OUT/tests_compile.xml"
 compile_rc=$?
+# 3b. With --tp2: the tensor-parallel test on 2 GPUs over NCCL (it runs over gloo on CPU in CI).
+tp2_rc=0
+if [ "$TP2" = 1 ]; then
+  run timeout "$TP_TIMEOUT" env HF_AOQ_TP_BACKEND=nccl "${PYTEST[@]}" tests/integrations/test_tensor_parallel.py \
+    -k two_processes --junitxml "$OUT/tests_tp2.xml"
+  tp2_rc=$?
+fi
 # 4. The benchmark (run even if a test failed: its figures say where).
 run env PYTHONPATH="$PWD" timeout "$BENCH_TIMEOUT" "$PY" scripts/gpu_bench.py --out "$OUT/bench.json"
 bench_rc=$?
 [ "$DRY" = 1 ] && exit 0
-echo "{\"tests_rc\": $tests_rc, \"compile_rc\": $compile_rc, \"bench_rc\": $bench_rc}" > "$OUT/summary.json"
-echo "gpu_check: tests rc=$tests_rc, compile tests rc=$compile_rc, bench rc=$bench_rc; results in $OUT"
-[ "$tests_rc" = 0 ] && [ "$compile_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "{\"tests_rc\": $tests_rc, \"compile_rc\": $compile_rc, \"bench_rc\": $bench_rc, \"tp2_rc\": $tp2_rc}" > "$OUT/summary.json"
+echo "gpu_check: tests rc=$tests_rc, compile tests rc=$compile_rc, bench rc=$bench_rc, tp2 rc=$tp2_rc; results in $OUT"
+[ "$tests_rc" = 0 ] && [ "$compile_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$tp2_rc" = 0 ]

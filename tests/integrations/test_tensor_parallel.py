@@ -26,6 +26,8 @@ from tp_worker import aoq_config  # noqa: E402
 # so logits differ from one process by bf16 rounding: max |difference| / max |logit| measured
 # 0.0058 for the bf16 model itself and at most 0.0070 for the quantized ones (fp8 per tensor).
 RTOL = 0.02
+# scripts/gpu_check.sh --tp2 sets nccl: 2 GPUs, and the one-process reference on a GPU too.
+DEVICE = "cuda" if os.environ.get("HF_AOQ_TP_BACKEND") == "nccl" else "cpu"
 QUANTS = ("int4", "int4dq", "int8", "fp8", "fp8_tensor")
 IDS = [[1, 5, 9, 33, 100, 7, 2, 400, 17, 250]]
 
@@ -38,7 +40,7 @@ def _types():
 def _load(path, quant=None):
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": torch.bfloat16}
+    kwargs = {"dtype": torch.bfloat16, "device_map": DEVICE}
     if quant is not None:
         kwargs["quantization_config"] = aoq_config(quant)
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -46,7 +48,7 @@ def _load(path, quant=None):
 
 def _logits(model):
     with torch.no_grad():
-        return model(torch.tensor(IDS)).logits.float()
+        return model(torch.tensor(IDS, device=model.device)).logits.float().cpu()
 
 
 def _run_ranks(cases, tmp_path):
@@ -162,3 +164,16 @@ def test_views_and_cats_that_would_lose_the_layout_are_refused():
         a, b = _weights()["fp8_tensor"], hf_aoq.Float8WeightOnlyConfig(granularity=hf_aoq.PerTensor()).quantize_weight(
             torch.randn(64, 128, dtype=torch.bfloat16) * 3)
         torch.cat([a, b], dim=1)
+
+
+def test_gpu_check_runs_this_test_on_two_gpus_with_tp2(tmp_path):
+    root = HERE.parents[1]
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    done = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run", "--tp2"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    step = [line for line in done.stdout.splitlines() if "test_tensor_parallel.py" in line]
+    assert len(step) == 1 and step[0].startswith("+ timeout") and "HF_AOQ_TP_BACKEND=nccl" in step[0], step
+    plain = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert "test_tensor_parallel.py" not in plain.stdout  # behind the flag only

@@ -5,10 +5,14 @@ CASES.json`). For each case it loads a checkpoint with transformers' `tp_plan="a
 logits and every parameter's local (this rank's) shape and type; rank 0's record goes to the
 case's "out" path, the other ranks' to "<out>.rank<r>". A case that raises records the error.
 
+HF_AOQ_TP_BACKEND=nccl runs it on one GPU per rank over NCCL (scripts/gpu_check.sh --tp2);
+the default is gloo on CPU.
+
 CASES.json: [{"path": ..., "out": ..., "api": "tp_plan" | "distributed_config",
               "quant": null or a name in RECIPES, "input_ids": [[...]]}, ...]
 """
 import json
+import os
 import sys
 import traceback
 
@@ -52,7 +56,7 @@ def run_case(case, rank):
     else:
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
     model = AutoModelForCausalLM.from_pretrained(case["path"], **kwargs)
-    ids = torch.tensor(case["input_ids"])
+    ids = torch.tensor(case["input_ids"], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits
     params = {}
@@ -67,7 +71,10 @@ def run_case(case, rank):
 
 def main():
     cases = json.load(open(sys.argv[1]))
-    dist.init_process_group("gloo")
+    backend = os.environ.get("HF_AOQ_TP_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
     rank = dist.get_rank()
     for case in cases:
         try:
