@@ -11,7 +11,9 @@ scale under a cut of the columns, a per-tensor float). From it come
 
 and the aten ops DTensor and transformers' tensor-parallel layers call on a local shard:
 `view` / `view_as` to its own shape (DTensor.from_local, to_local), `split` / `chunk`, `cat`
-(slicing and `narrow` are `aten.slice`, in tensors.common). Slicing itself is each type's
+(slicing and `narrow` are `aten.slice`, in tensors.common), and `aten.embedding`, which a
+vocabulary-parallel embedding runs on its shard under DTensor (with the ids it does not hold
+masked out; F.embedding outside DTensor is the torch-function table's). Slicing itself is each type's
 `slice_fields`, which follows the same rules.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from .. import kernels
 from ..core.errors import AOQError
 from .common import BlockGridTensor, _slice
 from .int4dq import Int4DQTensor
@@ -76,10 +79,9 @@ def check_cut(t: BlockGridTensor, dim: int, start: int, end: int, name: str = "w
     dim = dim % t.ndim
     shape = tuple(t.shape) if shape is None else tuple(shape)
     full = shape[dim]
-    for field, cut in field_cuts(t, dim).items():
-        if cut is None or getattr(t, field, None) is None:
-            continue
-        per = cut[1]
+    cuts = [(cut[1], field) for field, cut in field_cuts(t, dim).items()
+            if cut is not None and getattr(t, field, None) is not None]
+    for per, field in sorted(cuts, reverse=True):  # the coarsest first: name the group, not the byte
         if start % per or (end % per and end != full):
             raise AOQError(
                 f"{name}: the tensor-parallel plan gives this rank [{start}:{end}] of dim {dim} of its "
@@ -182,3 +184,10 @@ def _cat(func, types, args, kwargs):
     if not all(isinstance(t, BlockGridTensor) for t in tensors):
         raise AOQError("cat of a quantized tensor with a plain one; dequantize() first")
     return cat_fields(tensors, dim)
+
+
+@BlockGridTensor.implements(aten.embedding.default)
+def _embedding(func, types, args, kwargs):
+    weight, indices = args[0], args[1]
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    return kernels.embedding(indices, weight, None if padding_idx is None or padding_idx < 0 else padding_idx)

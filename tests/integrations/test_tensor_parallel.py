@@ -80,6 +80,11 @@ def test_quantized_models_load_sharded_over_two_processes(tmp_path):
         apis = ("tp_plan", "distributed_config") if i % 2 else ("distributed_config", "tp_plan")
         cases.append({"path": str(float_dir), "quant": quant, "api": apis[0], "name": f"{quant}-on-load"})
         cases.append({"path": str(saved), "quant": None, "api": apis[1], "name": f"{quant}-prequantized"})
+    # The vocabulary-parallel embedding and the gathered lm_head quantized too; a sharded model
+    # is not saved.
+    reference["int4+embeddings"] = _logits(_load(float_dir, "int4+embeddings"))
+    cases.append({"path": str(float_dir), "quant": "int4+embeddings", "api": "distributed_config",
+                  "name": "int4+embeddings-on-load", "save": str(tmp_path / "not_saved")})
     cases.append({"path": str(cut_dir), "quant": "int4", "api": "tp_plan", "name": "cuts-a-group"})
     for c in cases:
         c.update(out=str(tmp_path / f"{c['name']}.json"), input_ids=IDS)
@@ -105,8 +110,14 @@ def test_quantized_models_load_sharded_over_two_processes(tmp_path):
             q, o = params["model.layers.0.self_attn.q_proj.weight"], params["model.layers.1.mlp.down_proj.weight"]
             assert (q["shape"], q["global"]) == ([64, 128], [128, 128]), (case["name"], q)
             assert (o["shape"], o["global"]) == ([128, 128], [128, 256]), (case["name"], o)
-            want = _types()[quant] if quant else "Tensor"
+            want = _types()[quant.removesuffix("+embeddings")] if quant else "Tensor"
             assert q["type"] == o["type"] == want, (case["name"], q, o)
+            assert rank["grad_logits_equal"], case["name"]
+            if "embeddings" in case["name"]:
+                for n in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary split in two
+                    assert (params[n]["type"], params[n]["shape"]) == ("Int4Tensor", [256, 128]), (n, params[n])
+                assert "AOQError" in rank["save_error"] and "tensor-parallel shards" in rank["save_error"]
+                assert not (tmp_path / "not_saved" / "model.safetensors").exists()
         r0, r1 = (torch.tensor(rank["logits"]) for rank in by_name[case["name"]])
         assert torch.equal(r0, r1), case["name"]  # both ranks end with the all-reduced logits
 
@@ -177,3 +188,43 @@ def test_gpu_check_runs_this_test_on_two_gpus_with_tp2(tmp_path):
     plain = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), "--dry-run"], env=env,
                            capture_output=True, text=True, timeout=60)
     assert "test_tensor_parallel.py" not in plain.stdout  # behind the flag only
+
+
+class _Mesh:
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def get_local_rank(self, mesh_dim):
+        return self.rank
+
+    def size(self, mesh_dim):
+        return self.world
+
+
+class _Placeholder:
+    """What local_shard reads of transformers' DTensor placeholder."""
+
+    def __init__(self, shape, placement, rank, world=2):
+        self.shape, self.ndim = torch.Size(shape), len(shape)
+        self.placements, self.device_mesh = (placement,), _Mesh(rank, world)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4dq", "int8", "fp8_tensor"])
+def test_local_shard_cuts_contiguous_and_strided_placements(kind):
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    from hf_aoq.integrations.transformers.tensor_parallel import local_shard
+
+    t = _weights()[kind]
+    full = t.dequantize()
+    for rank in (0, 1):
+        cols = local_shard(t, _Placeholder(t.shape, Shard(1), rank), "w")
+        assert torch.equal(cols.dequantize(), full[:, 64 * rank:64 * (rank + 1)])
+        # packed_colwise (a fused gate_up): this rank's quarter of each half, concatenated.
+        fused = local_shard(t, _Placeholder(t.shape, _StridedShard(0, split_factor=2), rank), "w")
+        want = torch.cat([full[16 * rank:16 * (rank + 1)], full[32 + 16 * rank:32 + 16 * (rank + 1)]])
+        assert type(fused) is type(t) and torch.equal(fused.dequantize(), want)
+        type(fused).check_fields(fused.fields())
+    if kind in ("int4", "int4dq"):
+        with pytest.raises(AOQError, match=r"w: .*\[0:43\] of dim 1.*group size 32"):
+            local_shard(t, _Placeholder(t.shape, Shard(1), 0, world=3), "w")  # 128 = 43 + 43 + 42

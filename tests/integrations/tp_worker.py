@@ -27,13 +27,17 @@ RECIPES = {
     "fp8": lambda h: h.Float8WeightOnlyConfig(),
     "fp8_tensor": lambda h: h.Float8WeightOnlyConfig(granularity=h.PerTensor()),
 }
+EMBEDDINGS = "+embeddings"  # a suffix: also quantize the input embedding and lm_head
 
 
 def aoq_config(quant):
     """The AOQConfig a case names (None: no quantization_config)."""
     import hf_aoq
 
-    return None if quant is None else hf_aoq.AOQConfig(RECIPES[quant](hf_aoq))
+    if quant is None:
+        return None
+    base = quant.removesuffix(EMBEDDINGS)
+    return hf_aoq.AOQConfig(RECIPES[base](hf_aoq), include_input_output_embeddings=base != quant)
 
 
 def _local(t):
@@ -59,14 +63,20 @@ def run_case(case, rank):
     ids = torch.tensor(case["input_ids"], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits
+    with_grad = model(ids).logits  # autograd on: transformers' DTensor path for what is not local
     params = {}
     for name, p in model.named_parameters():
         local = _local(p.data if isinstance(p, torch.nn.Parameter) else p)
         params[name] = {"type": type(local).__name__, "shape": list(local.shape),
                         "global": list(p.shape)}
+    record = {"ok": True, "logits": logits.float().tolist(), "params": params,
+              "grad_logits_equal": bool(torch.equal(with_grad.detach(), logits))}
     if case.get("save"):
-        model.save_pretrained(case["save"])
-    return {"ok": True, "logits": logits.float().tolist(), "params": params}
+        try:
+            model.save_pretrained(case["save"])
+        except Exception as e:
+            record["save_error"] = f"{type(e).__name__}: {e}"
+    return record
 
 
 def main():

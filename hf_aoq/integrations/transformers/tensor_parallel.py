@@ -43,7 +43,8 @@ def _ranges(param, name: str) -> dict[int, list[tuple[int, int]]]:
     mesh = param.device_mesh
     out: dict[int, list[tuple[int, int]]] = {}
     for mesh_dim, placement in enumerate(param.placements):
-        if not placement.is_shard():
+        strided = isinstance(placement, _StridedShard)
+        if not (strided or placement.is_shard()):
             if placement.is_replicate():
                 continue
             raise AOQError(f"{name}: hf_aoq cannot load a quantized weight with placement {placement}")
@@ -52,7 +53,7 @@ def _ranges(param, name: str) -> dict[int, list[tuple[int, int]]]:
             raise AOQError(f"{name}: hf_aoq cannot load a quantized weight sharded twice along dim {dim} "
                            f"({list(param.placements)})")
         size, rank, world = param.shape[dim], mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
-        split = placement.split_factor if isinstance(placement, _StridedShard) else 1
+        split = placement.split_factor if strided else 1
         width = -(-size // split)
         intervals = []
         for g in range(split):
@@ -139,6 +140,10 @@ class TensorParallelLoad:
         if DTensor is None or not self.targets:
             return
         for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                # transformers' local path would look up ids this rank does not hold; under
+                # DTensor a vocabulary shard masks them (aten.embedding in tensors.sharding).
+                continue
             for p in module._parameters.values():
                 if isinstance(p, DTensor) and isinstance(p.to_local(), AOQTensor):
                     module._hf_quantized_needs_local_tp = True
