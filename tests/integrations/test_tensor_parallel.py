@@ -133,6 +133,7 @@ def _weights():
         "int8_g32": hf_aoq.Int8WeightOnlyConfig(group_size=32).quantize_weight(w),
         "fp8": hf_aoq.Float8WeightOnlyConfig().quantize_weight(w),
         "fp8_tensor": hf_aoq.Float8WeightOnlyConfig(granularity=hf_aoq.PerTensor()).quantize_weight(w),
+        "mx": hf_aoq.MXTensor.from_float(w),
     }
 
 
