@@ -85,6 +85,10 @@ def test_quantized_models_load_sharded_over_two_processes(tmp_path):
     reference["int4+embeddings"] = _logits(_load(float_dir, "int4+embeddings"))
     cases.append({"path": str(float_dir), "quant": "int4+embeddings", "api": "distributed_config",
                   "name": "int4+embeddings-on-load", "save": str(tmp_path / "not_saved")})
+    text = tmp_path / "calibration.txt"
+    text.write_text("w3 w4 w5 w6 " * 50)
+    cases.append({"path": str(float_dir), "quant": "int4", "api": "tp_plan", "name": "calibration",
+                  "calibration": str(text)})
     cases.append({"path": str(cut_dir), "quant": "int4", "api": "tp_plan", "name": "cuts-a-group"})
     for c in cases:
         c.update(out=str(tmp_path / f"{c['name']}.json"), input_ids=IDS)
@@ -92,11 +96,13 @@ def test_quantized_models_load_sharded_over_two_processes(tmp_path):
     results = _run_ranks(cases, tmp_path)
     by_name = dict(zip([c["name"] for c in cases], results))
 
+    for rank in by_name.pop("calibration"):
+        assert not rank["ok"] and "calibration" in rank["error"] and "tp_plan" in rank["error"], rank
     cut = by_name.pop("cuts-a-group")
     for rank in cut:
         assert not rank["ok"] and rank["error"].startswith("AOQError"), rank  # refused before any weight is read
         assert "model.layers.0.mlp.down_proj.weight" in rank["error"] and "group size 32" in rank["error"], rank
-    for case in cases[:-1]:
+    for case in cases[:-2]:
         quant = case["quant"] or (case["name"].split("-")[0] if "prequantized" in case["name"] else None)
         ref = reference[quant]
         for r, rank in enumerate(by_name[case["name"]]):

@@ -53,6 +53,8 @@ def run_case(case, rank):
 
     kwargs = {"dtype": torch.bfloat16}
     quant = aoq_config(case.get("quant"))
+    if case.get("calibration"):
+        quant.calibration = case["calibration"]
     if quant is not None:
         kwargs["quantization_config"] = quant
     if case["api"] == "tp_plan":

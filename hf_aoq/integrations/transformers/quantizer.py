@@ -24,7 +24,7 @@ from ...quantize import Decision, plan, reads_only_by_linear, tie_groups
 from .config import AOQConfig
 from .ops import AOQLoad, AOQQuantize, _parent, _storage_key
 from .sizes import _quantized_nbytes
-from .tensor_parallel import TensorParallelLoad, probe_layout, refuse_sharded_save
+from .tensor_parallel import TensorParallelLoad, probe_layout, refuse_sharded_calibration, refuse_sharded_save
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +310,7 @@ class AOQHfQuantizer(HfQuantizer):
         if self._tp is not None:
             self._tp.finish(model)
         if self._calibrating():
+            refuse_sharded_calibration(model)
             self._quantize_with_calibration(model)
         self._release_memory(force=True)
         model_card.attach(model)  # this model's save_pretrained and push_to_hub write its card

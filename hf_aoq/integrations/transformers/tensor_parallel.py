@@ -149,6 +149,14 @@ class TensorParallelLoad:
                     module._hf_quantized_needs_local_tp = True
 
 
+def refuse_sharded_calibration(model: nn.Module) -> None:
+    """GPTQ runs the model block by block on the float weights it then replaces: not on shards."""
+    DTensor = _dtensor_type()
+    if DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters()):
+        raise AOQError("AOQConfig(calibration=...) cannot run on a model loaded with a tp_plan: quantize with "
+                       "calibration in one process, save, and load that checkpoint with the tp_plan")
+
+
 def refuse_sharded_save(state: dict) -> None:
     """Saving gathers nothing: a model loaded sharded is saved from the single-process load."""
     DTensor = _dtensor_type()
