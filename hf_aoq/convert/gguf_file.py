@@ -163,7 +163,8 @@ def read_gguf(path) -> GGUFFile:
         if name in tensors:
             raise FormatError(f"{where}: appears twice")
         if ggml_type not in GGML_TYPES:
-            raise FormatError(f"{where}: ggml type {type_name(ggml_type)} ({ggml_type}): hf_aoq reads "
+            known = OTHER_TYPE_NAMES.get(ggml_type, "not a ggml type")
+            raise FormatError(f"{where}: ggml type {ggml_type} ({known}): hf_aoq reads "
                               f"{', '.join(n for n, _, _ in GGML_TYPES.values())}")
         _, per_block, block_bytes = GGML_TYPES[ggml_type]
         if ne[0] == 0 or ne[0] % per_block or any(d == 0 for d in ne):
