@@ -175,8 +175,9 @@ def convert_gguf(src, out, *, overwrite: bool = False, max_shard_size: int):
     if not recipe:
         raise wf.ExportError(f"{src}: no quantized tensor (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) to convert")
     if inexact:
-        summary.notes.append(f"{len(inexact)} tensors differ from GGUF's dequantization by float32 rounding (a Q4_K "
-                             f"block's zero 8 * scale - min does not fit float32), first {inexact[0]}")
+        summary.notes.append(f"{len(inexact)} tensors differ from GGUF's dequantization by float32 rounding (a "
+                             f"Q4_1 / Q4_K block's zero, m + 8 d or 8 d sc - dmin mn, does not fit float32), "
+                             f"first {inexact[0]}")
     embeddings = any(n.startswith(("model.embed_tokens.", "lm_head.")) for n in recipe)
     config = dict(config, quantization_config=AOQConfig(FqnToConfig(recipe),
                                                         include_input_output_embeddings=embeddings).to_dict())
