@@ -197,13 +197,15 @@ def tokenizer_metadata(src: Path, config: dict, vocab_size: int) -> tuple[dict[s
         if t is None:
             tokens.append(f"[PAD{i}]")
             types.append(UNUSED)
+        elif kind == "llama" and re.fullmatch(r"<0x[0-9A-F]{2}>", t):
+            tokens.append(t)
+            types.append(BYTE)  # byte-fallback pieces, whether in the vocab or added
         elif i in added:
             tokens.append(t)
-            types.append(CONTROL if added[i].get("special") else USER_DEFINED)
+            types.append(UNKNOWN if t == unk else CONTROL if added[i].get("special") else USER_DEFINED)
         else:
             tokens.append(t)
-            types.append(UNKNOWN if t == unk else BYTE if kind == "llama" and re.fullmatch(r"<0x[0-9A-F]{2}>", t)
-                         else NORMAL)
+            types.append(UNKNOWN if t == unk else NORMAL)
     out = {"tokenizer.ggml.model": KV(STRING, kind), "tokenizer.ggml.pre": KV(STRING, "default"),
            "tokenizer.ggml.tokens": KV(ARRAY, tokens, STRING), "tokenizer.ggml.token_type": KV(ARRAY, types, INT32)}
     if kind == "llama":

@@ -330,3 +330,35 @@ def test_int8_fp16_scales_round_to_fp16_and_stay_close():
     assert abs(sqnr(w, fp16.dequantize()) - sqnr(w, exact.dequantize())) < 0.5
     with pytest.raises(ValueError, match="scale_dtype"):
         Int8WeightOnlyConfig(scale_dtype=torch.bfloat16)
+
+
+def test_sentencepiece_style_tokenizer_goes_as_llama(float_dir, tmp_path, capsys):
+    """A BPE tokenizer with byte fallback (Llama 2's kind) becomes tokenizer.ggml.model "llama"
+    (scores -id, byte tokens typed 6), which transformers rebuilds to the same encoding; and the
+    command line's `convert` takes the .gguf file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    src = quantized(float_dir, tmp_path, RECIPES["q4_0"])
+    for p in src.glob("tokenizer*"):
+        p.unlink()
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    text = ["the quick brown fox jumps over the lazy dog", "hello world, quantized models run anywhere"] * 20
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    ref = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    ref.save_pretrained(src)
+    out = tmp_path / "m.gguf"
+    export_checkpoint(src, out, format="gguf")
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["tokenizer.ggml.model"].contents() == "llama"
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert types[tokens.index("<0x41>")] == 6 and types[tokens.index("<s>")] == 3
+    rebuilt = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    assert rebuilt(TEXT, add_special_tokens=False).input_ids == ref(TEXT, add_special_tokens=False).input_ids
+    assert cli_main(["convert", str(out), str(tmp_path / "back")]) == 0
+    assert "14 x Q4_0 -> Int4Tensor" in capsys.readouterr().out
+    assert (tmp_path / "back" / "tokenizer.json").is_file()
