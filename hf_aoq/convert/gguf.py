@@ -207,8 +207,9 @@ def export_tensor(t) -> tuple[int, torch.Tensor]:
         raw = torch.cat([_half_bytes(c.scale), codes], dim=-1)
     raw = raw.reshape(n, -1).contiguous()
     if not torch.equal(decode(ggml_type, raw, (n, k)).to(c.dtype), c.dequantize()):
-        raise NotExact(f"GGUF's dequantization of the {type_name(ggml_type)} blocks would differ from hf_aoq's "
-                       f"(the minimum m + 8 d does not round back to the zero)")
+        why = "m + d * q rounds differently from hf_aoq's (q - 8) * scale + zero" if ggml_type == Q4_1 else \
+            "the block arithmetic rounds differently"
+        raise NotExact(f"GGUF's dequantization of the {type_name(ggml_type)} blocks would differ from hf_aoq's ({why})")
     return ggml_type, raw
 
 
