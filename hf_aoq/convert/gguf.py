@@ -64,7 +64,10 @@ def _nibble_bytes(codes: torch.Tensor) -> torch.Tensor:
 
 def _codes_of(qs: torch.Tensor) -> torch.Tensor:
     """[N, B, 16] nibble bytes -> uint8 codes [N, B * 32]."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(qs.shape[0], -1)
+    out = torch.empty(*qs.shape[:-1], 32, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=out[..., :16])
+    torch.bitwise_right_shift(qs, 4, out=out[..., 16:])
+    return out.reshape(qs.shape[0], -1)
 
 
 def permute_rows(t, rows: torch.Tensor):
