@@ -52,6 +52,7 @@ EXAMPLES = """examples:
   hf-aoq inspect smol-int4 --error ./float-model                   per-tensor sizes and error
   hf-aoq generate smol-int4 "The capital of France is"             text and tokens/s
   hf-aoq export smol-int4 smol-w4a16 --format compressed-tensors   for vLLM / SGLang (bit-exact)
+  hf-aoq export smol-q4 smol.gguf --format gguf                    for llama.cpp (bit-exact from --target gguf)
 
 `hf-aoq COMMAND --help` describes each command's options."""
 
@@ -89,10 +90,11 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                                                          "--scheme then covers the layers it does not name")
     p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],
                    help="modules to leave in float (names or regexes; put MODEL before this option)")
-    p.add_argument("--target", choices=["compressed-tensors"],
-                   help="make the checkpoint export losslessly to this format (`hf-aoq export`) and run on vLLM: "
-                        "int4 schemes become symmetric int4 in groups of 128 (or --group-size 32, 64), layers "
-                        "vLLM's 4-bit kernels cannot run stay in float")
+    p.add_argument("--target", choices=["compressed-tensors", "gguf"],
+                   help="make the checkpoint export losslessly to this format (`hf-aoq export`). compressed-tensors "
+                        "(vLLM): int4 schemes become symmetric int4 in groups of 128 (or --group-size 32, 64), layers "
+                        "vLLM's 4-bit kernels cannot run stay in float. gguf (llama.cpp): int4 schemes become "
+                        "symmetric int4 in groups of 32 (Q4_0), int8 groups of 32 with fp16 scales (Q8_0)")
     p.add_argument("--calibration", metavar="FILE",
                    help="a text file: choose int4-plain weights by GPTQ on it (slower; loads the float model first)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
@@ -294,7 +296,7 @@ def export_command(args) -> int:
 
 
 def convert_command(args) -> int:
-    """`hf-aoq convert SRC OUT`: hf_aoq.workflows.convert_checkpoint (torchao or compressed-tensors), reported."""
+    """`hf-aoq convert SRC OUT`: hf_aoq.workflows.convert_checkpoint (torchao, compressed-tensors, GGUF), reported."""
     from .workflows import convert_checkpoint, parse_size
 
     kwargs = {} if args.max_shard_size is None else {"max_shard_size": parse_size(args.max_shard_size)}
@@ -399,29 +401,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")
 
-    p = command("convert", "convert a torchao or compressed-tensors checkpoint to hf_aoq (detected from config.json)",
+    p = command("convert", "convert a torchao, compressed-tensors or GGUF checkpoint to hf_aoq (detected)",
                 "Convert a checkpoint folder written by torchao's safetensors support (docs/torchao.md) or in the "
-                "compressed-tensors format (docs/compressed_tensors.md; what `hf-aoq export` writes) into an hf_aoq "
-                "checkpoint, exactly; neither library need be installed. What cannot be held exactly is refused, "
-                "naming the tensor, and nothing is written.",
-                "examples:\n  hf-aoq convert ./llama-w4a16 ./llama-aoq\n  hf-aoq convert ./llama-torchao-int4 ./llama-aoq",
+                "compressed-tensors format (docs/compressed_tensors.md; what `hf-aoq export` writes), or a GGUF file "
+                "(docs/gguf.md: Q4_0, Q4_1, Q8_0 exactly; Q4_K, Q6_K into the nearest hf_aoq types), into an hf_aoq "
+                "checkpoint; none of those libraries need be installed. What cannot be held is refused, naming the "
+                "tensor, and nothing is written.",
+                "examples:\n  hf-aoq convert ./llama-w4a16 ./llama-aoq\n  hf-aoq convert ./llama-torchao-int4 ./llama-aoq"
+                "\n  hf-aoq convert ./llama.Q4_1.gguf ./llama-aoq",
                 convert_command)
-    p.add_argument("src", help="the checkpoint folder (torchao or compressed-tensors)")
+    p.add_argument("src", help="the checkpoint folder (torchao or compressed-tensors) or a .gguf file")
     p.add_argument("out", help="the hf_aoq checkpoint folder to write (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")
 
-    p = command("export", "export an hf_aoq checkpoint to compressed-tensors (vLLM, SGLang), bit-exactly",
+    p = command("export", "export an hf_aoq checkpoint to compressed-tensors (vLLM, SGLang) or GGUF (llama.cpp), bit-exactly",
                 "Write an hf_aoq checkpoint folder in another format that serving engines load. Every weight goes "
-                "bit-exactly (docs/compressed_tensors.md has the mapping); a weight the format cannot hold "
+                "bit-exactly (docs/compressed_tensors.md and docs/gguf.md have the mappings); a weight the format "
+                "cannot hold "
                 "(Int4DQ, the 4-bit default; a partial last group; float8 e5m2; ...) stops the export with "
                 "exit code 2, naming it, and nothing is written, unless --requantize.",
                 "examples:\n  hf-aoq quantize ./model --scheme int4 --target compressed-tensors --out m-aoq\n"
-                "  hf-aoq export m-aoq m-w4a16 --format compressed-tensors\n  vllm serve m-w4a16",
+                "  hf-aoq export m-aoq m-w4a16 --format compressed-tensors\n  vllm serve m-w4a16\n"
+                "  hf-aoq quantize ./model --scheme int4 --target gguf --out m-q4\n"
+                "  hf-aoq export m-q4 m-gguf --format gguf\n  llama-cli -m m-gguf/model.gguf",
                 export_command)
     p.add_argument("src", help="the hf_aoq checkpoint folder")
-    p.add_argument("out", help="the folder to write (must not exist)")
-    p.add_argument("--format", required=True, choices=["compressed-tensors"], help="the target format")
+    p.add_argument("out", help="the folder to write (must not exist); for gguf, a .gguf file path or a folder that "
+                               "gets model.gguf and a model card")
+    p.add_argument("--format", required=True, choices=["compressed-tensors", "gguf"], help="the target format")
     p.add_argument("--requantize", action="store_true",
                    help="re-quantize weights that have no exact form into the nearest one (lossy; listed in the "
                         "output and the model card) instead of refusing")

@@ -96,14 +96,22 @@ class Int4DQWeightOnlyConfig(AOQBaseConfig):
 @register_config_type
 @dataclass(frozen=True)
 class Int8WeightOnlyConfig(AOQBaseConfig):
+    """int8 weights, a float32 scale per row or per group of `group_size`. `scale_dtype`
+    torch.float16 picks scales that fp16 holds exactly (what GGUF's Q8_0 stores; `hf-aoq
+    quantize --target gguf` sets it with group_size 32); None keeps the exact float32 scale."""
+
     group_size: int | None = None  # None: one scale per row
+    scale_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
             raise AOQError(f"Int8WeightOnlyConfig.group_size must be None or a positive int, got {self.group_size!r}")
+        if self.scale_dtype not in (None, torch.float32, torch.float16):
+            raise AOQError(f"Int8WeightOnlyConfig.scale_dtype must be None, torch.float32 or torch.float16, got "
+                           f"{self.scale_dtype!r}")
 
     def quantize_weight(self, weight, *, name="weight"):
-        return Int8Tensor.from_float(weight, self.group_size, name=name)
+        return Int8Tensor.from_float(weight, self.group_size, scale_dtype=self.scale_dtype, name=name)
 
 
 @register_config_type

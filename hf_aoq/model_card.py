@@ -329,6 +329,27 @@ ENGINES = {
         ("vLLM", "bash", "vllm serve {path}"),
         ("SGLang", "bash", "python -m sglang.launch_server --model-path {path}"),
     ),
+    # {path}: the folder holding model.gguf (the export's OUT)
+    "gguf": (
+        ("llama.cpp", "bash", "llama-cli -m {path}/model.gguf -p \"The capital of France is\""),
+        ("llama.cpp's server (an OpenAI-compatible API)", "bash", "llama-server -m {path}/model.gguf"),
+        ("transformers (`pip install gguf`; the weights are dequantized at load; no hf_aoq needed)", "python",
+         "from transformers import AutoModelForCausalLM\n\n"
+         "model = AutoModelForCausalLM.from_pretrained(\"{path}\", gguf_file=\"model.gguf\")"),
+        ("hf_aoq again (the same int4/int8 tensors, bit for bit)", "bash", "hf-aoq convert {path}/model.gguf aoq-folder"),
+    ),
+}
+# What each format's card says after the commands.
+_ENGINE_NOTES = {
+    "compressed-tensors": (
+        "vLLM picks a kernel per layer when it loads: its 4-bit (W4A16, Marlin) kernels want each layer's input "
+        "size (per tensor-parallel shard) to be a multiple of 128 and its output size a multiple of 64; "
+        "`hf-aoq quantize --target compressed-tensors` makes such checkpoints. `hf-aoq convert` turns this "
+        "folder back into an hf_aoq checkpoint."),
+    "gguf": (
+        "Q4_0, Q4_1 and Q8_0 hold hf_aoq's int4 and int8 at groups of 32 with fp16 scales; `hf-aoq quantize "
+        "--target gguf` makes checkpoints that export so without loss. llama.cpp runs the file with its own "
+        "kernels (activations rounded its way, so outputs match to its arithmetic, not bit for bit)."),
 }
 
 
@@ -353,10 +374,7 @@ def write_export_card(directory, *, format: str, base_model: str | None, groups:
             f"Exported by [hf_aoq](https://pypi.org/project/hf_aoq/) {__version__} from an hf_aoq checkpoint"
             f"{f' of `{base_model}`' if base_model else ''} to the {format} format.\n\n"
             f"| stored as | weights |\n| --- | --- |\n{rows}\n\n{exact}\n\n## How to load\n\n{engines}\n\n"
-            f"vLLM picks a kernel per layer when it loads: its 4-bit (W4A16, Marlin) kernels want each layer's input "
-            f"size (per tensor-parallel shard) to be a multiple of 128 and its output size a multiple of 64; "
-            f"`hf-aoq quantize --target compressed-tensors` makes such checkpoints. `hf-aoq convert` turns this "
-            f"folder back into an hf_aoq checkpoint.\n")
+            f"{_ENGINE_NOTES[format]}\n")
     ModelCard(text)  # the front matter parses
     path = Path(directory) / CARD_NAME
     write_atomic(path, text)

@@ -2,6 +2,11 @@
 
     torchao.py          checkpoints written by torchao's safetensors support (docs/torchao.md)
     torchao_format.py   the strict reader of torchao's tensors and metadata that it uses
+    compressed_tensors.py  hf_aoq tensors <-> compressed-tensors' stored form (docs/compressed_tensors.md)
+    gguf_file.py        the GGUF container, read and written from the spec (docs/gguf.md)
+    gguf.py             hf_aoq tensors <-> GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q6_K read)
+    gguf_meta.py        GGUF tensor names, llama and tokenizer metadata
+    gguf_checkpoint.py  export to / convert from one GGUF file (hf-aoq export --format gguf, convert)
 """
 from .torchao import ConversionSummary, TensorConversion, convert_torchao_checkpoint
 

@@ -23,6 +23,13 @@ QMIN, QMAX = -127, 127
 ACT_QUANTS = (None, "per_token")
 
 
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """float32 scales rounded to the nearest fp16 value, kept within fp16's normal range (a
+    rounding down clips the block's largest value by under half an fp16 step)."""
+    tiny = torch.finfo(torch.float16).tiny
+    return torch.where(scale > 0, scale.clamp(tiny, torch.finfo(torch.float16).max), scale).to(torch.float16).float()
+
+
 @register_tensor_type
 class Int8Tensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
@@ -38,9 +45,15 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
         group_size: int | None = None,
         act_quant: str | None = None,
         *,
+        scale_dtype: torch.dtype | None = None,
         name: str = "weight",
     ):
+        """Quantize a float [N, K] weight per row (or in groups of `group_size` along K).
+        `scale_dtype` torch.float16 chooses scales that fp16 holds exactly (each rounded to fp16
+        before the codes are chosen; still stored as float32), as GGUF's Q8_0 keeps them."""
         check_weight(weight, name)
+        if scale_dtype not in (None, torch.float32, torch.float16):
+            raise AOQError(f"{name}: Int8Tensor scale_dtype must be None, torch.float32 or torch.float16, got {scale_dtype!r}")
         if act_quant not in ACT_QUANTS:
             raise AOQError(f"{name}: Int8Tensor act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")
         n, k = weight.shape
@@ -52,6 +65,8 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
 
         def rows(w):
             scale, _ = choose_qparams_affine(w, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name)
+            if scale_dtype is torch.float16:
+                scale = _fp16_scale(scale)
             return quantize_affine(w, block, scale, None, QMIN, QMAX, torch.int8), scale
 
         codes, scale = by_row_chunks(weight, rows)

@@ -1,7 +1,7 @@
 """Export an hf_aoq checkpoint folder to compressed-tensors (what vLLM, SGLang and transformers'
-compressed-tensors integration load), and `convert` another library's checkpoint to hf_aoq,
-detecting its kind (torchao, compressed-tensors) from config.json. What `hf-aoq export` and
-`hf-aoq convert` run.
+compressed-tensors integration load) or GGUF (llama.cpp; hf_aoq.convert.gguf_checkpoint), and
+`convert` another library's checkpoint to hf_aoq, detecting its kind (torchao, compressed-tensors
+from config.json; a .gguf file). What `hf-aoq export` and `hf-aoq convert` run.
 
 Both build the whole result in memory (tensors view the mapped source files) before writing
 anything: a weight that cannot go exactly is an ExportError naming it, and OUT is untouched. The
@@ -24,7 +24,7 @@ from .common import UsageError, progress
 
 CONFIG_NAME = "config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
-FORMATS = ("compressed-tensors",)
+FORMATS = ("compressed-tensors", "gguf")
 # Never copied from SRC: the weights and config are written anew, the card is made for OUT,
 # and pickled files are not carried along.
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -171,11 +171,18 @@ def export_checkpoint(src, out, *, format: str = "compressed-tensors", requantiz
     if _quant_method(config) != "aoq":
         raise ExportError(f"{src}: quantization_config.quant_method is {_quant_method(config)!r}, not 'aoq'; "
                           f"export takes a checkpoint written by hf_aoq")
-    _check_out(src, out, overwrite)
+    if format != "gguf":
+        _check_out(src, out, overwrite)
+    elif out.resolve() == src.resolve():
+        raise ExportError(f"{out}: the output must differ from the source")
     try:
         state = open_checkpoint(src).state_dict()
     except AOQError as e:
         raise ExportError(f"{src} does not load: {e}") from None
+    if format == "gguf":
+        from ..convert.gguf_checkpoint import export_gguf
+
+        return export_gguf(src, out, config, state, requantize=requantize, overwrite=overwrite)
     linear = _linear_modules(config)
     summary = Summary(str(src), str(out), format)
     groups: dict[ct.Scheme, list[str]] = {}
@@ -230,9 +237,14 @@ def export_checkpoint(src, out, *, format: str = "compressed-tensors", requantiz
 # ---------------------------------------------------------------------- convert (to hf_aoq)
 def convert_checkpoint(src, out, *, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
     """Convert the checkpoint folder `src` to hf_aoq at `out`, by the quant_method in its
-    config.json: "torchao" (hf_aoq.convert.convert_torchao_checkpoint) or "compressed-tensors".
-    Returns a summary with `format_text()` (or `format()` for torchao's)."""
+    config.json: "torchao" (hf_aoq.convert.convert_torchao_checkpoint) or "compressed-tensors";
+    or the GGUF file `src` (hf_aoq.convert.gguf_checkpoint, docs/gguf.md). Returns a summary
+    with `format_text()` (or `format()` for torchao's)."""
     src = Path(src)
+    if src.suffix == ".gguf" or src.is_file():
+        from ..convert.gguf_checkpoint import convert_gguf
+
+        return convert_gguf(src, out, overwrite=overwrite, max_shard_size=max_shard_size)
     method = _quant_method(_read_config(src))
     if method == "torchao":
         from ..convert.torchao import TorchaoConversionError, convert_torchao_checkpoint
@@ -245,7 +257,7 @@ def convert_checkpoint(src, out, *, overwrite: bool = False, max_shard_size: int
         return convert_compressed_tensors(src, out, overwrite=overwrite, max_shard_size=max_shard_size)
     hint = "; it is already an hf_aoq checkpoint" if method == "aoq" else ""
     raise ExportError(f"{src}: quantization_config.quant_method is {method!r}; convert takes torchao or "
-                      f"compressed-tensors checkpoints{hint}")
+                      f"compressed-tensors checkpoints, or a .gguf file{hint}")
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

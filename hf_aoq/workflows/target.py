@@ -1,5 +1,10 @@
-"""`hf-aoq quantize --target compressed-tensors`: the AOQConfig whose checkpoint exports to
-compressed-tensors losslessly by construction and runs on vLLM's kernels.
+"""`hf-aoq quantize --target compressed-tensors|gguf`: the AOQConfig whose checkpoint exports to
+that format losslessly by construction (and, for compressed-tensors, runs on vLLM's kernels).
+
+gguf: 4-bit schemes become symmetric Int4 in groups of 32 (GGUF's Q4_0; scales in the model's
+dtype, which fp16 holds for bf16 and fp16 models short of scales under 2^-17), int8 becomes
+Int8 in groups of 32 with fp16-representable scales (Q8_0); a linear layer whose input size is
+not a multiple of 32 stays in float (a GGUF row is whole blocks).
 
 4-bit schemes become symmetric Int4 (compressed-tensors' zero points are integers, hf_aoq's
 asymmetric zeros are not) at a group size vLLM's Marlin kernels take (128 unless --group-size
@@ -11,7 +16,7 @@ from __future__ import annotations
 
 from .common import UsageError, log
 
-TARGETS = ("compressed-tensors",)
+TARGETS = ("compressed-tensors", "gguf")
 MARLIN_GROUP_SIZES = (32, 64, 128)
 MARLIN_K, MARLIN_N = 128, 64  # what vLLM's Marlin kernels need of in_features / out_features
 
@@ -43,6 +48,9 @@ def build_target_config(target: str, model: str, scheme: str | None, group_size:
 
     if target not in TARGETS:
         raise UsageError(f"--target {target}: not one of {', '.join(TARGETS)}")
+    if target == "gguf":
+        return _gguf_config(model, scheme, group_size, recipe=recipe, skip=skip, calibration=calibration,
+                            calibration_tokens=calibration_tokens, load=load)
     if recipe is not None:
         raise UsageError("--target chooses every layer's config itself; give --scheme (and --skip), not --recipe")
     if scheme is None:
@@ -62,5 +70,37 @@ def build_target_config(target: str, model: str, scheme: str | None, group_size:
         log(f"--target {target}: {len(misfits)} linear layers stay in float (vLLM's 4-bit kernels need an input "
             f"size that is a multiple of {MARLIN_K} and an output size that is a multiple of {MARLIN_N}): "
             f"{', '.join(sorted(misfits))}")
+    return build_aoq_config(None, None, FqnToConfig({**misfits, "_default": default}), skip, calibration,
+                            calibration_tokens)
+
+
+GGUF_BLOCK = 32
+
+
+def _gguf_config(model, scheme, group_size, *, recipe, skip, calibration, calibration_tokens, load):
+    import torch
+
+    from ..configs import FqnToConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+    from .quantization import build_aoq_config
+
+    if recipe is not None:
+        raise UsageError("--target chooses every layer's config itself; give --scheme (and --skip), not --recipe")
+    if scheme not in ("int4", "int4-plain", "int8"):
+        raise UsageError("--target gguf needs --scheme int4, int4-plain or int8 (GGUF's Q4_0 and Q8_0); the "
+                         "float8, MX and dynamic-activation schemes have no GGUF form")
+    if group_size not in (None, GGUF_BLOCK):
+        raise UsageError(f"--target gguf --scheme {scheme}: --group-size {group_size}; GGUF blocks are "
+                         f"{GGUF_BLOCK} values")
+    if scheme == "int8":
+        default = Int8WeightOnlyConfig(group_size=GGUF_BLOCK, scale_dtype=torch.float16)
+    else:
+        default = Int4WeightOnlyConfig(group_size=GGUF_BLOCK, symmetric=True)
+    opts = load.kwargs() if load is not None else {}
+    shapes = linear_shapes(model, revision=opts.get("revision"), token=opts.get("token"),
+                           trust_remote_code=opts.get("trust_remote_code", False))
+    misfits = {name: None for name, (n, k) in shapes.items() if k % GGUF_BLOCK}
+    if misfits:
+        log(f"--target gguf: {len(misfits)} linear layers stay in float (a GGUF row is whole blocks of "
+            f"{GGUF_BLOCK}): {', '.join(sorted(misfits))}")
     return build_aoq_config(None, None, FqnToConfig({**misfits, "_default": default}), skip, calibration,
                             calibration_tokens)
