@@ -33,6 +33,12 @@ from .tensors import int4dq, mx
 from .tensors.int4 import DEFAULT_QPARAMS, GROUP_SIZES
 
 
+# Field metadata for a config field added after its config was first released: the JSON holds it
+# only when it differs from its default, so a recipe that does not use it still reads in the
+# releases before it (which refuse keys they do not know), as optional tensor fields do.
+OPTIONAL = {"optional": True}
+
+
 class AOQBaseConfig:
     """A quantization scheme for a single weight."""
 
@@ -101,7 +107,7 @@ class Int8WeightOnlyConfig(AOQBaseConfig):
     quantize --target gguf` sets it with group_size 32); None keeps the exact float32 scale."""
 
     group_size: int | None = None  # None: one scale per row
-    scale_dtype: torch.dtype | None = None
+    scale_dtype: torch.dtype | None = field(default=None, metadata=OPTIONAL)
 
     def __post_init__(self):
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
@@ -330,7 +336,10 @@ def _config_to_dict(config: AOQBaseConfig) -> dict[str, Any]:
         raise AOQError(f"{name} is not a registered config dataclass; it cannot be written to config JSON")
     out: dict[str, Any] = {"type": name}
     for f in dataclasses.fields(config):
-        out[f.name] = _encode_value(getattr(config, f.name), f"{name}.{f.name}")
+        value = getattr(config, f.name)
+        if f.metadata.get("optional") and value == f.default:
+            continue
+        out[f.name] = _encode_value(value, f"{name}.{f.name}")
     return out
 
 

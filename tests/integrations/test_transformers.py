@@ -126,6 +126,19 @@ RECIPES = [
 ]
 
 
+def test_optional_config_fields_are_written_only_when_set():
+    # A field added after its config shipped (metadata OPTIONAL) stays out of the JSON at its
+    # default, so the recipe still reads in releases that refuse unknown keys; set, it round-trips.
+    from hf_aoq.configs import recipe_from_dict, recipe_to_dict
+
+    assert "scale_dtype" not in recipe_to_dict(Int8WeightOnlyConfig(group_size=32))
+    assert recipe_to_dict(Int8WeightOnlyConfig()) == {"type": "Int8WeightOnlyConfig", "group_size": None}
+    fp16 = Int8WeightOnlyConfig(group_size=32, scale_dtype=torch.float16)
+    data = recipe_to_dict(fp16)
+    assert "scale_dtype" in data
+    assert recipe_from_dict(json.loads(json.dumps(data))) == fp16
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_config_json_round_trips_exactly(recipe):
     config = AOQConfig(
