@@ -288,3 +288,19 @@ def test_cli_quantize_and_inspect(tiny_llama_dir, tmp_path, capsys):
     assert text.rstrip().endswith("every tensor loads: yes")
     card = (out / "README.md").read_text()
     assert "intx3 g64 sym" in card
+
+
+def test_the_v1_fixture_loads_and_decodes_as_the_format_says():
+    """tests/fixtures/v1_intx.safetensors (scripts/make_fixtures.py, manifest.intx.json): every
+    bit width loads and its bits decode, by the reference unpacker, to the stored answers."""
+    import safetensors.torch
+    from pathlib import Path
+
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    loaded = serialization.load_file(str(fixtures / "v1_intx.safetensors"))
+    expected = safetensors.torch.load_file(fixtures / "v1_intx.expected.safetensors")
+    quantized = {n: t for n, t in loaded.items() if isinstance(t, IntxTensor)}
+    assert sorted(t.bits for t in quantized.values()) == [1, 2, 2, 3, 3, 3, 4, 5, 6, 7, 8]
+    assert {t.act_quant for t in quantized.values()} == {None, "per_token"}
+    for name, t in quantized.items():
+        assert torch.equal(ref_dequantize(t), expected[f"{name}.dequantized"]), name
