@@ -304,3 +304,14 @@ def test_the_v1_fixture_loads_and_decodes_as_the_format_says():
     assert {t.act_quant for t in quantized.values()} == {None, "per_token"}
     for name, t in quantized.items():
         assert torch.equal(ref_dequantize(t), expected[f"{name}.dequantized"]), name
+
+
+def test_quantize_for_compressed_tensors_refuses_intx_schemes():
+    """compressed-tensors has no form for IntxTensor: `--target compressed-tensors --scheme int3`
+    is refused up front (it used to quantize to Intx, which `export` then refused)."""
+    from hf_aoq.workflows.common import UsageError
+    from hf_aoq.workflows.target import build_target_config
+
+    for scheme in ("int3", "int8-int2"):
+        with pytest.raises(UsageError, match=f"{scheme} has no compressed-tensors form"):
+            build_target_config("compressed-tensors", "unused", scheme, None)
