@@ -54,6 +54,16 @@ def weight_bits(model) -> float:
     return bits / elements
 
 
+class _IntxMinmax(hf_aoq.AOQBaseConfig):
+    """Symmetric Intx with min/max scales (the configs choose them by the "mse" search)."""
+
+    def __init__(self, bits: int, group_size: int):
+        self.bits, self.group_size = bits, group_size
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return hf_aoq.IntxTensor.from_float(weight, self.bits, self.group_size, qparams="minmax", name=name)
+
+
 def hf_aoq_options(calibration):
     I4 = hf_aoq.Int4WeightOnlyConfig
     yield "hf_aoq int8", lambda m: hf_aoq.quantize_(m, hf_aoq.Int8WeightOnlyConfig(), not_lm_head)
@@ -81,6 +91,12 @@ def hf_aoq_options(calibration):
             dtype = getattr(torch, f"int{b}")
             yield f"hf_aoq intx int{b} g{g}", lambda m, d=dtype, g=g: hf_aoq.quantize_(
                 m, Ix(d, hf_aoq.PerGroup(g)), not_lm_head)
+    # The choices the schemes did not take: asymmetric groups (b + 32/g bits) and min/max scales.
+    for b in (2, 3):
+        dtype = getattr(torch, f"int{b}")
+        yield f"hf_aoq intx int{b} g32 asymmetric", lambda m, d=dtype: hf_aoq.quantize_(
+            m, Ix(d, hf_aoq.PerGroup(32), "asymmetric"), not_lm_head)
+        yield f"hf_aoq intx int{b} g32 minmax", lambda m, b=b: hf_aoq.quantize_(m, _IntxMinmax(b, 32), not_lm_head)
     for b in (3, 4, 6):
         dtype = getattr(torch, f"int{b}")
         yield f"hf_aoq int8-int{b} g32 (Intx, int8 activations)", lambda m, d=dtype: hf_aoq.quantize_(
