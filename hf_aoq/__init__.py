@@ -21,13 +21,17 @@ __all__ = [
     "Float8WeightOnlyConfig",
     "FormatError",
     "FqnToConfig",
+    "GemliteUIntXWeightOnlyConfig",
     "Int4DQTensor",
     "Int4DQWeightOnlyConfig",
     "Int4Tensor",
     "Int4WeightOnlyConfig",
     "Int8DynamicActivationInt8WeightConfig",
+    "Int8DynamicActivationIntxWeightConfig",
     "Int8Tensor",
     "Int8WeightOnlyConfig",
+    "IntxTensor",
+    "IntxWeightOnlyConfig",
     "MXDynamicActivationMXWeightConfig",
     "MXFPInferenceConfig",
     "MXTensor",
@@ -35,6 +39,7 @@ __all__ = [
     "PerRow",
     "PerTensor",
     "quantize_",
+    "UIntXWeightOnlyConfig",
 ]
 
 

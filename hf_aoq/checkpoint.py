@@ -91,8 +91,10 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
         kind = f"fp8 {short_dtype(field_dtypes['qdata'])}"
     if entry.type_name == "MXTensor" and isinstance(attrs.get("elem_dtype"), torch.dtype):
         kind = f"mx {short_dtype(attrs['elem_dtype'])}"
+    if entry.type_name == "IntxTensor" and type(attrs.get("bits")) is int:
+        kind = f"intx{attrs['bits']}"
     parts = [kind, grain]
-    if entry.type_name == "Int4Tensor":
+    if entry.type_name in ("Int4Tensor", "IntxTensor"):
         parts.append("asym" if "zero" in entry.keys else "sym")
     act = attrs.get("act_quant")
     if act:

@@ -28,10 +28,19 @@ SCHEMES = {
              "and activations quantized the same way as the model runs: 8.25 bits/weight",
     "mxfp4": "OCP MX: float4 e2m1 weights (two per byte) with an e8m0 scale per block of 32, activations "
              "quantized to MXFP8 e4m3 as the model runs: 4.25 bits/weight",
+    "int2": "2-bit weights (Intx, symmetric, bit-packed) with a scale per group of 32 (or --group-size 16, 64, "
+            "128, 256): 2.5 bits/weight (2.125 at g128)",
+    "int3": "3-bit weights (Intx), a scale per group of 32 (or 16, 64, 128, 256): 3.5 bits/weight (3.125 at g128)",
+    "int5": "5-bit weights (Intx), a scale per group of 32 (or 16, 64, 128, 256): 5.5 bits/weight (5.125 at g128)",
+    "int6": "6-bit weights (Intx), a scale per group of 32 (or 16, 64, 128, 256): 6.5 bits/weight (6.125 at g128)",
+    "int8-int2": "int2's weights, and activations quantized to int8 per token as the model runs (dynamic)",
+    "int8-int3": "int3's weights, with int8 per-token activations",
+    "int8-int5": "int5's weights, with int8 per-token activations",
+    "int8-int6": "int6's weights, with int8 per-token activations",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())
-_WEIGHT_ONLY = textwrap.fill("All but the -dyn and mx schemes are weight-only: weights are stored quantized and "
+_WEIGHT_ONLY = textwrap.fill("All but the -dyn, int8-intN and mx schemes are weight-only: weights are stored quantized and "
                              "dequantized inside the kernels, activations stay in bf16/fp32. One rule: --scheme "
                              "names one tensor type, and --group-size only changes that type's group size, never "
                              "the type.", 96)
@@ -85,7 +94,8 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                         + " (see `hf-aoq --help`)")
     p.add_argument("--group-size", type=int, metavar="N",
                    help="the scheme's group size: int4 32 or 64 (default 32); int4-plain 32, 64, 128 or 256 "
-                        "(default 128); int8 groups instead of rows. It never changes the scheme")
+                        "(default 128); int8 groups instead of rows; int2, int3, int5, int6 (and int8-intN) 16, 32, 64, "
+                        "128 or 256 (default 32). It never changes the scheme")
     p.add_argument("--recipe", metavar="FILE.json", help="per-layer FqnToConfig as JSON (hf_aoq.configs.recipe_to_dict); "
                                                          "--scheme then covers the layers it does not name")
     p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],

@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from .core.errors import AOQError, FormatError
-from .core.granularity import PerRow, PerTensor
+from .core.granularity import PerGroup, PerRow, PerTensor
 from .core.primitives import FLOAT8_DTYPES, QPARAM_METHODS
 from .core.registry import CONFIG_TYPES, config_type, dtype_from_name, dtype_name, register_config_type
-from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor
-from .tensors import int4dq, mx
+from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor
+from .tensors import int4dq, intx, mx
 from .tensors.int4 import DEFAULT_QPARAMS, GROUP_SIZES
 
 
@@ -210,6 +210,135 @@ class MXDynamicActivationMXWeightConfig(MXFPInferenceConfig):
     """torchao's newer name for MXFPInferenceConfig: the same fields and the same MXTensor."""
 
 
+# ---------------------------------------------------------------------- 1- to 8-bit integers
+INT_DTYPES = {getattr(torch, f"int{b}"): b for b in intx.BITS}  # torch.int1 .. torch.int8
+INT_DTYPES_BY_BITS = {b: d for d, b in INT_DTYPES.items()}
+UINT_DTYPES = {getattr(torch, f"uint{b}"): b for b in intx.BITS[:-1]}  # torch.uint1 .. torch.uint7
+MAPPING_TYPES = ("symmetric", "asymmetric")
+_INTX_GRANULARITIES = "PerRow() or PerGroup(g) with g in " + str(intx.GROUP_SIZES)
+
+
+def _intx_bits(owner: str, name: str, dtype, allowed: dict) -> int:
+    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise AOQError(f"{owner}.{name} must be one of {names}; got {dtype!r}")
+    return allowed[dtype]
+
+
+def _intx_group(owner: str, name: str, granularity) -> int | None:
+    """The group size of an Intx granularity (None: per row)."""
+    if isinstance(granularity, PerRow):
+        return None
+    if isinstance(granularity, PerGroup) and granularity.group_size in intx.GROUP_SIZES:
+        return granularity.group_size
+    raise AOQError(f"{owner}.{name} must be {_INTX_GRANULARITIES}; got {granularity!r}")
+
+
+def _intx_symmetric(owner: str, name: str, mapping_type, bits: int) -> bool:
+    if mapping_type not in MAPPING_TYPES:
+        raise AOQError(f"{owner}.{name} must be one of {MAPPING_TYPES}; got {mapping_type!r}")
+    if mapping_type == "symmetric" and bits == 1:
+        raise AOQError(f"{owner}.{name} must be 'asymmetric' for 1-bit weights (symmetric int1 has only the "
+                       f"codes -1 and 0)")
+    return mapping_type == "symmetric"
+
+
+def _intx_group_size(owner: str, group_size, allowed_none: bool) -> None:
+    if group_size is None and allowed_none:
+        return
+    if type(group_size) is not int or group_size not in intx.GROUP_SIZES:
+        extra = " or None (per row)" if allowed_none else ""
+        raise AOQError(f"{owner}.group_size must be one of {intx.GROUP_SIZES}{extra}; got {group_size!r}")
+
+
+@register_config_type
+@dataclass(frozen=True)
+class IntxWeightOnlyConfig(AOQBaseConfig):
+    """1- to 8-bit integer weights (IntxTensor, codes bit-packed): `weight_dtype` torch.int1 ..
+    torch.int8 gives the bit width, `granularity` PerRow() (torchao's PerAxis(0), its default)
+    or PerGroup(g) along the input dimension (g in 16, 32, 64, 128, 256; the last group may be
+    partial), `mapping_type` "symmetric" (no zero; int1 must be asymmetric) or "asymmetric".
+    Scales and zeros are chosen by the "mse" search (tensors/intx.py)."""
+
+    weight_dtype: torch.dtype = torch.int8
+    granularity: PerGroup | PerRow = PerRow()
+    mapping_type: str = "symmetric"
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        bits = _intx_bits(owner, "weight_dtype", self.weight_dtype, INT_DTYPES)
+        _intx_group(owner, "granularity", self.granularity)
+        _intx_symmetric(owner, "mapping_type", self.mapping_type, bits)
+
+    def quantize_weight(self, weight, *, name="weight"):
+        bits = INT_DTYPES[self.weight_dtype]
+        return IntxTensor.from_float(weight, bits, _intx_group(type(self).__name__, "granularity", self.granularity),
+                                     self.mapping_type == "symmetric", name=name)
+
+
+@register_config_type
+@dataclass(frozen=True)
+class Int8DynamicActivationIntxWeightConfig(AOQBaseConfig):
+    """IntxWeightOnlyConfig's weights, and activations quantized to int8 per token at run time
+    (IntxTensor with act_quant "per_token"). The activations are quantized symmetrically, as
+    Int8DynamicActivationInt8WeightConfig's are (torchao's default for this config is
+    asymmetric per-token activations; hf_aoq has the symmetric ones only)."""
+
+    weight_dtype: torch.dtype = torch.int8
+    weight_granularity: PerGroup | PerRow = PerGroup(32)
+    weight_mapping_type: str = "symmetric"
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        bits = _intx_bits(owner, "weight_dtype", self.weight_dtype, INT_DTYPES)
+        _intx_group(owner, "weight_granularity", self.weight_granularity)
+        _intx_symmetric(owner, "weight_mapping_type", self.weight_mapping_type, bits)
+
+    def quantize_weight(self, weight, *, name="weight"):
+        group = _intx_group(type(self).__name__, "weight_granularity", self.weight_granularity)
+        return IntxTensor.from_float(weight, INT_DTYPES[self.weight_dtype], group,
+                                     self.weight_mapping_type == "symmetric", act_quant="per_token", name=name)
+
+
+@register_config_type
+@dataclass(frozen=True)
+class UIntXWeightOnlyConfig(AOQBaseConfig):
+    """Unsigned asymmetric X-bit weights, torch.uint1 .. torch.uint7 (default uint4), in groups
+    of `group_size` (16, 32, 64, 128, 256): an asymmetric IntxTensor (a scale and a zero per
+    group)."""
+
+    dtype: torch.dtype = torch.uint4
+    group_size: int = 64
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        _intx_bits(owner, "dtype", self.dtype, UINT_DTYPES)
+        _intx_group_size(owner, self.group_size, allowed_none=False)
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return IntxTensor.from_float(weight, UINT_DTYPES[self.dtype], self.group_size, False, name=name)
+
+
+@register_config_type
+@dataclass(frozen=True)
+class GemliteUIntXWeightOnlyConfig(AOQBaseConfig):
+    """torchao's gemlite front end for UIntX: `bit_width` 4 or 8, `group_size` 16 .. 256 or None
+    (per row). hf_aoq has no gemlite kernels: this makes the same asymmetric IntxTensor as
+    UIntXWeightOnlyConfig, which runs on hf_aoq's own kernels."""
+
+    bit_width: int = 4
+    group_size: int | None = 64
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        if type(self.bit_width) is not int or self.bit_width not in (4, 8):
+            raise AOQError(f"{owner}.bit_width must be one of (4, 8); got {self.bit_width!r}")
+        _intx_group_size(owner, self.group_size, allowed_none=True)
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return IntxTensor.from_float(weight, self.bit_width, self.group_size, False, name=name)
+
+
 @dataclass
 class FqnToConfig:
     """Per-layer recipe: {exact name | "re:<regex>" | "_default": config or None}."""
@@ -271,6 +400,7 @@ class FqnToConfig:
 # Field values are JSON scalars or one of two tagged values:
 #   {"dtype": "<name in the dtype allow-list>"}      a torch.dtype
 #   {"granularity": "PerRow" | "PerTensor"}           a granularity
+#   {"granularity": "PerGroup", "group_size": <int>}  a granularity with a group size
 # The mapping is a list of pairs, not an object, because regex keys are tried in order and JSON
 # writers (transformers' among them) sort object keys. Decoding is strict: a type, dtype or
 # granularity not on the allow-lists, an unknown key, or a value of the wrong type is a
@@ -291,12 +421,22 @@ def _encode_value(value: Any, where: str) -> Any:
             raise AOQError(f"{where}: {e}") from None
     if type(value) in _GRANULARITIES.values():
         return {"granularity": type(value).__name__}
+    if type(value) is PerGroup:
+        return {"granularity": "PerGroup", "group_size": value.group_size}
     raise AOQError(f"{where}: cannot write {value!r} ({type(value).__name__}) to config JSON")
 
 
 def _decode_value(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if isinstance(value, dict) and set(value) == {"granularity", "group_size"} and value["granularity"] == "PerGroup":
+        size = value["group_size"]
+        if type(size) is not int:
+            raise FormatError(f"{where}: PerGroup group_size must be an int, got {size!r}")
+        try:
+            return PerGroup(size)
+        except AOQError as e:
+            raise FormatError(f"{where}: {e}") from None
     if isinstance(value, dict) and len(value) == 1:
         (tag, name), = value.items()
         if tag == "dtype":
@@ -309,7 +449,8 @@ def _decode_value(value: Any, where: str) -> Any:
                 raise FormatError(f"{where}: unknown granularity {name!r}; known: {sorted(_GRANULARITIES)}")
             return _GRANULARITIES[name]()
     raise FormatError(
-        f"{where}: {value!r} is not a bool, int, string, null, {{'dtype': ...}} or {{'granularity': ...}}"
+        f"{where}: {value!r} is not a bool, int, string, null, {{'dtype': ...}}, {{'granularity': ...}} "
+        f"or {{'granularity': 'PerGroup', 'group_size': ...}}"
     )
 
 
@@ -417,7 +558,10 @@ def recipe_from_dict(data: Any, *, where: str = "recipe") -> "AOQBaseConfig | Fq
 
 # ---------------------------------------------------------------------- schemes by name
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
-SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4")
+SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
+           "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6")
+INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
+INTX_DEFAULT_GROUP = 32
 
 
 def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConfig:
@@ -427,7 +571,19 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     more accurate); int4-plain is Int4WeightOnlyConfig (a float scale and zero per group of 128,
     or 32, 64, 256; what GPTQ calibration chooses); int8 (per row, or groups of `group_size`),
     int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups); mxfp8 and mxfp4 are MXFPInferenceConfig
-    with e4m3 or e2m1 weights and e4m3 activations, both in MX blocks of 32 (their only size)."""
+    with e4m3 or e2m1 weights and e4m3 activations, both in MX blocks of 32 (their only size);
+    int2, int3, int5 and int6 are IntxWeightOnlyConfig, symmetric, in groups of 32 (or 16, 64,
+    128, 256); int8-int2 .. int8-int6 are Int8DynamicActivationIntxWeightConfig with the same
+    weights and int8 per-token activations."""
+    intx_bits = INTX_SCHEME_BITS.get(scheme.removeprefix("int8-") if scheme.startswith("int8-int") else scheme)
+    if intx_bits is not None and scheme in SCHEMES:
+        g = INTX_DEFAULT_GROUP if group_size is None else group_size
+        if g not in intx.GROUP_SIZES:
+            raise AOQError(f"scheme {scheme}: group size must be one of {intx.GROUP_SIZES}, got {g}")
+        dtype = INT_DTYPES_BY_BITS[intx_bits]
+        if scheme.startswith("int8-"):
+            return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=PerGroup(g))
+        return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(g))
     if scheme == "int4":
         return Int4DQWeightOnlyConfig() if group_size is None else Int4DQWeightOnlyConfig(group_size=group_size)
     if scheme == "int4-plain":

@@ -54,6 +54,16 @@ def weight_bits(model) -> float:
     return bits / elements
 
 
+class _IntxMinmax(hf_aoq.AOQBaseConfig):
+    """Symmetric Intx with min/max scales (the configs choose them by the "mse" search)."""
+
+    def __init__(self, bits: int, group_size: int):
+        self.bits, self.group_size = bits, group_size
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return hf_aoq.IntxTensor.from_float(weight, self.bits, self.group_size, qparams="minmax", name=name)
+
+
 def hf_aoq_options(calibration):
     I4 = hf_aoq.Int4WeightOnlyConfig
     yield "hf_aoq int8", lambda m: hf_aoq.quantize_(m, hf_aoq.Int8WeightOnlyConfig(), not_lm_head)
@@ -73,6 +83,24 @@ def hf_aoq_options(calibration):
         m, MX(activation_dtype=E4M3, weight_dtype=FP4), not_lm_head
     )
     yield "hf_aoq mxfp4 weight-only", lambda m: hf_aoq.quantize_(m, MX(activation_dtype=None, weight_dtype=FP4), not_lm_head)
+    # Intx (IntxTensor, bit-packed): the schemes int2, int3, int5, int6 (symmetric, "mse"
+    # scales) and int4 in the same type, at groups of 32 and 128; and int8 per-token activations.
+    Ix, Ix8 = hf_aoq.IntxWeightOnlyConfig, hf_aoq.Int8DynamicActivationIntxWeightConfig
+    for b in (2, 3, 4, 5, 6):
+        for g in (32, 128):
+            dtype = getattr(torch, f"int{b}")
+            yield f"hf_aoq intx int{b} g{g}", lambda m, d=dtype, g=g: hf_aoq.quantize_(
+                m, Ix(d, hf_aoq.PerGroup(g)), not_lm_head)
+    # The choices the schemes did not take: asymmetric groups (b + 32/g bits) and min/max scales.
+    for b in (2, 3):
+        dtype = getattr(torch, f"int{b}")
+        yield f"hf_aoq intx int{b} g32 asymmetric", lambda m, d=dtype: hf_aoq.quantize_(
+            m, Ix(d, hf_aoq.PerGroup(32), "asymmetric"), not_lm_head)
+        yield f"hf_aoq intx int{b} g32 minmax", lambda m, b=b: hf_aoq.quantize_(m, _IntxMinmax(b, 32), not_lm_head)
+    for b in (3, 4, 6):
+        dtype = getattr(torch, f"int{b}")
+        yield f"hf_aoq int8-int{b} g32 (Intx, int8 activations)", lambda m, d=dtype: hf_aoq.quantize_(
+            m, Ix8(d, hf_aoq.PerGroup(32)), not_lm_head)
     for qparams in ("minmax", "mse"):
         yield f"hf_aoq int4 g128 {qparams} + calibration (GPTQ)", lambda m, q=qparams: quantize_with_calibration(
             m, I4(128, qparams=q), calibration, filter_fn=not_lm_head

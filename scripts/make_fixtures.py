@@ -9,6 +9,7 @@ new capability of a type, adds a generation to `GENERATIONS` below.
     manifest.partial_groups.json  Int4Tensor with a partial last group (K not a multiple of g)
     manifest.int4dq.json          Int4DQTensor (new type), schema version 1
     manifest.mx.json              MXTensor (new type: OCP MXFP8 / MXFP4), schema version 1
+    manifest.intx.json            IntxTensor (new type: 1- to 8-bit bit-packed codes), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -39,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, PerRow, PerTensor  # noqa: E402
+from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, PerRow, PerTensor  # noqa: E402
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
 
@@ -156,11 +157,35 @@ def state_dicts_mx() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_intx() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "v1_intx": {
+            # Every bit width; symmetric and asymmetric; per row, groups, partial last groups
+            # (80 = 2 x 32 + 16; 576 = 4 x 128 + 64); K whose rows end inside a byte (K = 13).
+            "int1_asym_g32_bf16": IntxTensor.from_float(weight(40, 8, 64, BF16), 1, 32, symmetric=False),
+            "int2_sym_g32_bf16": IntxTensor.from_float(weight(41, 16, 80, BF16), 2, 32),
+            "int3_sym_g128_bf16": IntxTensor.from_float(weight(42, 16, 576, BF16), 3, 128),
+            "int3_asym_g16_f32": IntxTensor.from_float(weight(43, 8, 80, F32), 3, 16, symmetric=False),
+            "int4_asym_g64_f16": IntxTensor.from_float(weight(44, 8, 128, F16), 4, 64, symmetric=False),
+            "int5_sym_row_bf16": IntxTensor.from_float(weight(45, 8, 13, BF16), 5, None),
+            "int6_asym_g256_bf16": IntxTensor.from_float(weight(46, 8, 256, BF16), 6, 256, symmetric=False),
+            "int7_sym_g32_f32": IntxTensor.from_float(weight(47, 8, 64, F32), 7, 32),
+            "int8_asym_row_bf16": IntxTensor.from_float(weight(48, 8, 64, BF16), 8, None, symmetric=False),
+            # int8 per-token activations (Int8DynamicActivationIntxWeightConfig, scheme int8-int3).
+            "int3_sym_g32_dyn_bf16": IntxTensor.from_float(weight(49, 16, 64, BF16), 3, 32, act_quant="per_token"),
+            "int2_asym_row_dyn_f32": IntxTensor.from_float(weight(50, 8, 64, F32), 2, None, symmetric=False,
+                                                           act_quant="per_token"),
+            "bias": torch.linspace(-1, 1, 16, dtype=BF16),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
     "manifest.int4dq.json": state_dicts_int4dq,
     "manifest.mx.json": state_dicts_mx,
+    "manifest.intx.json": state_dicts_intx,
 }
 
 

@@ -10,6 +10,7 @@ docs/torchao.md describes the format and the mapping:
     Float8Tensor (per row / per tensor)       Float8Tensor
     IntxUnpackedToInt8Tensor int4, group      Int4Tensor      zero = -zero_point * scale
                              int8, symmetric  Int8Tensor
+                             other int1-int8  IntxTensor      codes + 2^(b-1), bit-packed
 
 Anything else (another torchao type, another bit width or block shape, asymmetric int8,
 activation pre-scales, static activation scales) is refused with an error that names the tensor
@@ -32,18 +33,21 @@ from ..configs import (
     AOQBaseConfig,
     Float8DynamicActivationFloat8WeightConfig,
     Float8WeightOnlyConfig,
+    INT_DTYPES_BY_BITS,
     FqnToConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
     Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
 )
 from ..core.errors import AOQError
-from ..core.granularity import PerRow, PerTensor
+from ..core.granularity import PerGroup, PerRow, PerTensor
 from ..core.primitives import pack_int4
 from ..core.tensor import AOQTensor
 from ..serialization import replace_folder, save_shards, write_atomic
 from ..serialization.common import read_json_file
-from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor
+from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor, IntxTensor
+from ..tensors import intx
 from ..tensors.int4 import GROUP_SIZES
 from .torchao_format import (
     FLOAT8_DTYPES,
@@ -327,15 +331,36 @@ def _intx_tensor(r: Record):
         config = Int4WeightOnlyConfig(group_size=block[1], symmetric=symmetric)
         detail = f"int4, group {block[1]}, {'symmetric' if symmetric else 'asymmetric'}"
         return out, config, detail, want
-    if bits == 8:
+    if bits == 8 and symmetric:
         if block[0] != 1:
             raise r.fail(f"int8 with block_size {list(block)}: hf_aoq's Int8Tensor has blocks of one row")
-        if not symmetric:
-            raise r.fail("int8 with a non-zero zero_point (asymmetric): hf_aoq's Int8Tensor is symmetric")
         out = Int8Tensor(qdata.contiguous(), scale.float().contiguous(), block, shape, dtype)
         group = "per row" if block[1] == k else f"group {block[1]}"
         return out, Int8WeightOnlyConfig(group_size=None if block[1] == k else block[1]), f"int8, {group}", want
-    raise r.fail(f"{bits_v.name} weights: hf_aoq has int4 and int8 integer types only")
+    return _intx_from_codes(r, qdata, scale, zp, bits, symmetric, shape, dtype, block, want)
+
+
+def _intx_from_codes(r: Record, qdata, scale, zp, bits: int, symmetric: bool, shape, dtype, block, want):
+    """Other bit widths (and asymmetric int8): IntxTensor, codes q + 2^(b-1) bit-packed, the
+    zero point as in the int4 case (zero = -zero_point * scale, in float32)."""
+    n, k = shape
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if block[0] != 1 or (block[1] not in intx.GROUP_SIZES and block[1] != k):
+        raise r.fail(f"int{bits} with block_size {list(block)}: hf_aoq's IntxTensor takes groups of one row and "
+                     f"{intx.GROUP_SIZES} columns, or whole rows")
+    if bool((qdata < lo).any() or (qdata > hi).any()):
+        raise r.fail(f"int{bits} codes outside [{lo}, {hi}]")
+    codes = intx.pack_intx((qdata.to(torch.int16) - lo).to(torch.uint8), bits)
+    if symmetric:
+        out = IntxTensor(codes, scale.contiguous(), bits, block, shape, dtype)
+    else:
+        s32 = scale.float().contiguous()
+        out = IntxTensor(codes, s32, bits, block, shape, dtype, zero=(-zp.float() * s32).contiguous())
+    granularity = PerRow() if block[1] == k else PerGroup(block[1])
+    mapping = "symmetric" if symmetric and bits > 1 else "asymmetric"
+    config = IntxWeightOnlyConfig(INT_DTYPES_BY_BITS[bits], granularity, mapping)
+    group = "per row" if block[1] == k else f"group {block[1]}"
+    return out, config, f"int{bits}, {group}, {'symmetric' if symmetric else 'asymmetric'}", want
 
 
 _CONVERTERS: dict[str, tuple[Spec, Callable]] = {

@@ -36,6 +36,11 @@ _DTYPE_TABLE: tuple[tuple[torch.dtype, str | None, str | None, str], ...] = (
     # (safetensors' F4 counts elements, not bytes, so it is not this dtype).
     (torch.float4_e2m1fn_x2, "float4_e2m1fn_x2", None, "e2m1"),
 ) + tuple(
+    # The sub-byte integer dtypes name bit widths in config JSON (IntxWeightOnlyConfig's
+    # weight_dtype, UIntXWeightOnlyConfig's dtype); no tensor is stored in them.
+    (getattr(torch, name), name, None, name)
+    for name in [f"int{b}" for b in range(1, 8)] + [f"uint{b}" for b in range(1, 8)]
+) + tuple(
     (getattr(torch, name), None, st, name)
     for name, st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"))
     if hasattr(torch, name)
@@ -52,6 +57,8 @@ ENUMS: dict[str, frozenset[str]] = {
     "Int4DQTensor.packing": frozenset(),
     "Int8Tensor.packing": frozenset(),
     "Int8Tensor.act_quant": frozenset({"per_token"}),
+    "IntxTensor.packing": frozenset(),
+    "IntxTensor.act_quant": frozenset({"per_token"}),
     "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row"}),
 }
 

@@ -3,7 +3,8 @@ from .float8 import Float8Tensor
 from .int4 import Int4Tensor
 from .int4dq import Int4DQTensor
 from .int8 import Int8Tensor
+from .intx import IntxTensor
 from .mx import MXTensor
 from . import sharding  # noqa: F401  (the ops tensor-parallel shards use)
 
-__all__ = ["Int4Tensor", "Int4DQTensor", "Int8Tensor", "Float8Tensor", "MXTensor"]
+__all__ = ["Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor"]

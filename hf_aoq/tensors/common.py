@@ -271,11 +271,14 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_grid_fields(
-    fields, qdata_dtypes: tuple[torch.dtype, ...], codes_per_byte: int = 1, *, partial_last_block: bool = False
+    fields, qdata_dtypes: tuple[torch.dtype, ...], codes_per_byte: int = 1, *, partial_last_block: bool = False,
+    qdata_last_dim: int | None = None,
 ) -> None:
     """Refuse canonical block-grid fields that contradict the attributes (a loader calls this,
     through `check_fields`, before building a tensor from a checkpoint). With
-    `partial_last_block`, the last dim may end in a partial block (docs/format.md)."""
+    `partial_last_block`, the last dim may end in a partial block (docs/format.md).
+    `qdata_last_dim`, if given, is qdata's last dimension (bit streams that are not a whole
+    number of codes per byte), instead of the last dimension over `codes_per_byte`."""
     shape, block, dtype = tuple(fields["shape"]), fields["block_size"], fields["dtype"]
     if not shape:
         raise AOQError("attribute 'shape': a quantized weight needs at least one dimension")
@@ -292,10 +295,10 @@ def check_grid_fields(
     qdata = fields["qdata"]
     if qdata.dtype not in qdata_dtypes:
         raise AOQError(f"field 'qdata': dtype {qdata.dtype}, expected one of {qdata_dtypes}")
-    if shape[-1] % codes_per_byte:
+    if qdata_last_dim is None and shape[-1] % codes_per_byte:
         raise AOQError(f"attribute 'shape': last dimension of {shape} is not a multiple of {codes_per_byte}")
-    if qdata.shape != shape[:-1] + (shape[-1] // codes_per_byte,):
-        expected = shape[:-1] + (shape[-1] // codes_per_byte,)
+    expected = shape[:-1] + (shape[-1] // codes_per_byte if qdata_last_dim is None else qdata_last_dim,)
+    if qdata.shape != expected:
         raise AOQError(f"field 'qdata': shape {tuple(qdata.shape)}, expected {expected} for shape {shape}")
     scale, zero = fields["scale"], fields.get("zero")
     for n, t in (("scale", scale), ("zero", zero)):

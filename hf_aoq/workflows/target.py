@@ -17,6 +17,7 @@ from __future__ import annotations
 from .common import UsageError, log
 
 TARGETS = ("compressed-tensors", "gguf")
+EXPORTABLE_SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn")  # to compressed-tensors
 MARLIN_GROUP_SIZES = (32, 64, 128)
 MARLIN_K, MARLIN_N = 128, 64  # what vLLM's Marlin kernels need of in_features / out_features
 
@@ -53,8 +54,10 @@ def build_target_config(target: str, model: str, scheme: str | None, group_size:
                             calibration_tokens=calibration_tokens, load=load)
     if recipe is not None:
         raise UsageError("--target chooses every layer's config itself; give --scheme (and --skip), not --recipe")
-    if scheme is None:
-        raise UsageError("--target needs --scheme int4, int4-plain, int8, int8-dyn, fp8 or fp8-dyn")
+    if scheme not in EXPORTABLE_SCHEMES:
+        # The others (mx, intN, int8-intN) have no compressed-tensors form: export would refuse them.
+        raise UsageError(f"--target needs --scheme {', '.join(EXPORTABLE_SCHEMES[:-1])} or {EXPORTABLE_SCHEMES[-1]}"
+                         + ("" if scheme is None else f"; {scheme} has no compressed-tensors form"))
     if scheme not in ("int4", "int4-plain"):
         return build_aoq_config(scheme, group_size, None, skip, calibration, calibration_tokens)
     g = 128 if group_size is None else group_size

@@ -86,6 +86,9 @@ def test_each_scheme_name_builds_its_config(scheme):
         "fp8-dyn": hf_aoq.Float8DynamicActivationFloat8WeightConfig(),
         "mxfp8": MXFPInferenceConfig(),
         "mxfp4": MXFPInferenceConfig(weight_dtype=torch.float4_e2m1fn_x2),
+        **{f"int{b}": hf_aoq.IntxWeightOnlyConfig(getattr(torch, f"int{b}"), hf_aoq.PerGroup(32)) for b in (2, 3, 5, 6)},
+        **{f"int8-int{b}": hf_aoq.Int8DynamicActivationIntxWeightConfig(getattr(torch, f"int{b}"), hf_aoq.PerGroup(32))
+           for b in (2, 3, 5, 6)},
     }[scheme]
     assert cfg == expected
     assert workflows.build_aoq_config(scheme).quant_type == expected

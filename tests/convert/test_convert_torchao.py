@@ -318,11 +318,46 @@ def test_float8_activations_with_int4_weights_are_refused(tmp_path):
     assert_refused(src, tmp_path / "out", repr(name), "activation_dtype", "float8")
 
 
-def test_int4_in_int8_with_an_unsupported_bit_width_is_refused(tmp_path):
+def test_int4_codes_labelled_with_a_narrower_bit_width_are_refused(tmp_path):
+    # int3 converts to IntxTensor now (test_other_bit_widths_convert_to_intx); int4's codes do
+    # not fit in it.
     name = "model.layers.0.mlp.gate_proj.weight"
     src = edited_copy(tmp_path, "intx_int4_g32_sym", metadata=edit_entry(
         name, lambda e: e["_data"].update(target_dtype={"_type": "torch.dtype", "_data": "int3"})))
-    assert_refused(src, tmp_path / "out", repr(name), "int3", "int4 and int8")
+    assert_refused(src, tmp_path / "out", repr(name), "int3 codes outside [-4, 3]")
+
+
+@pytest.mark.parametrize("bits, fixture", [(2, "intx_int4_g32_sym"), (3, "intx_int4_g64_asym"),
+                                           (6, "intx_int4_g64_asym"), (8, "intx_int8_per_row")])
+def test_other_bit_widths_convert_to_intx(bits, fixture, tmp_path):
+    """IntxUnpackedToInt8Tensor of int1-3, int5-7 (and asymmetric int8) becomes an IntxTensor
+    that dequantizes as torchao's formula says. The fixtures' codes are narrowed (or an int8
+    zero point shifted) to make such a checkpoint."""
+    name = "model.layers.0.mlp.gate_proj.weight"
+    key = "model.layers.0.mlp.gate_proj._weight_"
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+    def narrow(d):
+        d = dict(d)
+        d[key + "qdata"] = d[key + "qdata"].clamp(lo, hi)
+        if bits == 8:
+            zp = d[key + "zero_point"].clone()
+            zp[::2] = 3
+            d[key + "zero_point"] = zp
+        return d
+
+    src = edited_copy(tmp_path, fixture, tensors=narrow, metadata=edit_entry(
+        name, lambda e: e["_data"].update(target_dtype={"_type": "torch.dtype", "_data": f"int{bits}"})))
+    torchao_fields = load_file(src / "model.safetensors")
+    summary = convert_torchao_checkpoint(src, tmp_path / "out")
+    assert f"IntxUnpackedToInt8Tensor -> IntxTensor (int{bits}" in summary.format()
+    w = dict(load(tmp_path / "out").named_parameters())[name]
+    assert isinstance(w, hf_aoq.IntxTensor) and w.bits == bits
+    q, s, zp = (torchao_fields[key + f] for f in ("qdata", "scale", "zero_point"))
+    g = q.shape[1] // s.shape[1]
+    want = (q.float() - zp.float().repeat_interleave(g, 1)) * s.float().repeat_interleave(g, 1)
+    assert torch.allclose(w.dequantize().float(), want, rtol=2 ** -7, atol=0)
+    assert (w.zero is None) == (not bool(zp.any()))
 
 
 def test_stray_tensor_is_refused(tmp_path):

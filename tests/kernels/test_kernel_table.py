@@ -16,6 +16,9 @@ from hf_aoq import (
     Int8DynamicActivationInt8WeightConfig,
     Int8Tensor,
     Int8WeightOnlyConfig,
+    Int8DynamicActivationIntxWeightConfig,
+    IntxWeightOnlyConfig,
+    PerGroup,
     PerTensor,
     kernels,
 )
@@ -38,6 +41,8 @@ TABLE = [
     ("embedding", "Int8Tensor", "canonical", "reference"),
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "rowgather"),
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "reference"),
+    ("embedding", "IntxTensor", "canonical", "rowgather"),
+    ("embedding", "IntxTensor", "canonical", "reference"),
     ("embedding", "MXTensor", "canonical", "rowgather"),
     ("embedding", "MXTensor", "canonical", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_amx_gemm"),
@@ -69,6 +74,7 @@ TABLE = [
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_ext"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8pack_mm"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "reference"),
+    ("linear", "IntxTensor", "canonical", "reference"),
     ("linear", "MXTensor", "canonical", "cpu_mxfp4_gemv"),
     ("linear", "MXTensor", "canonical", "reference"),
 ]
@@ -249,7 +255,8 @@ def test_aten_int8_kernel_is_not_given_bfloat16_rows_it_cannot_read():
 
 
 CONFIGS = [Int4WeightOnlyConfig(32), Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig(),
-           Float8WeightOnlyConfig(), Int4DQWeightOnlyConfig()]
+           Float8WeightOnlyConfig(), Int4DQWeightOnlyConfig(),
+           IntxWeightOnlyConfig(torch.int3, PerGroup(32)), Int8DynamicActivationIntxWeightConfig(torch.int5)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: type(c).__name__)

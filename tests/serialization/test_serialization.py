@@ -9,7 +9,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4DQTensor, Int4Tensor, Int8Tensor, PerRow, PerTensor
+from hf_aoq import (AOQTensor, Float8Tensor, FormatError, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, PerRow,
+                    PerTensor)
 from hf_aoq import serialization as S
 from hf_aoq.core import registry
 
@@ -27,6 +28,9 @@ CONFIGS = {
     "int8_per_row": lambda: Int8Tensor.from_float(weight()),
     "int8_per_group_f32": lambda: Int8Tensor.from_float(weight(dtype=torch.float32), group_size=32),
     "int8_dynamic": lambda: Int8Tensor.from_float(weight(), act_quant="per_token"),
+    "intx3_sym_g32": lambda: IntxTensor.from_float(weight(), 3, 32),
+    "intx5_asym_row_partial_f32": lambda: IntxTensor.from_float(weight(k=100, dtype=torch.float32), 5, None, False),
+    "intx2_dynamic_g64": lambda: IntxTensor.from_float(weight(), 2, 64, act_quant="per_token"),
     "float8_e4m3_per_tensor": lambda: Float8Tensor.from_float(weight(), torch.float8_e4m3fn, PerTensor()),
     "float8_e5m2_per_row": lambda: Float8Tensor.from_float(weight(), torch.float8_e5m2, PerRow()),
     "float8_dynamic": lambda: Float8Tensor.from_float(
