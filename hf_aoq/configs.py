@@ -177,7 +177,7 @@ class Float8StaticActivationFloat8WeightConfig(AOQBaseConfig):
     def __post_init__(self):
         owner = type(self).__name__
         if self.scale is not None:
-            object.__setattr__(self, "scale", float(static_act_scale(self.scale, f"{owner}.scale")))
+            object.__setattr__(self, "scale", static_act_scale(self.scale, f"{owner}.scale"))
         _check_float8(owner, "activation_dtype", self.activation_dtype)
         _check_float8(owner, "weight_dtype", self.weight_dtype)
         _check_granularity(owner, self.granularity)

@@ -34,15 +34,15 @@ def quantize_input_float8(x2: torch.Tensor, act_quant: str, f8: torch.dtype, act
     return quantize_float8(x2, block, scale, f8), scale
 
 
-def static_act_scale(scale, name: str) -> torch.Tensor:
-    """A static activation scale (a positive finite number or one-element tensor) as float32 [1, 1]."""
+def static_act_scale(scale, name: str) -> float:
+    """A static activation scale (a positive finite number or one-element tensor) as a float."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
             raise AOQError(f"{name}: a static activation scale is one number (per tensor), got shape {tuple(scale.shape)}")
         scale = float(scale.detach().float().reshape(()))
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < float("inf")):
         raise AOQError(f"{name}: a static activation scale must be a positive finite number, got {scale!r}")
-    return torch.tensor([[float(scale)]], dtype=torch.float32)
+    return float(scale)
 
 
 @register_tensor_type
@@ -77,7 +77,7 @@ class Float8Tensor(BlockGridTensor):
             raise AOQError(f"{name}: Float8Tensor act_quant 'static' needs an act_scale, and only it takes one "
                            f"(act_quant {act_quant!r}, act_scale {act_scale!r})")
         if act_scale is not None:
-            act_scale = static_act_scale(act_scale, name).to(weight.device)
+            act_scale = torch.tensor([[static_act_scale(act_scale, name)]], dtype=torch.float32, device=weight.device)
         if not isinstance(granularity, (PerRow, PerTensor)):
             raise AOQError(f"{name}: Float8Tensor granularity must be PerRow() or PerTensor(), got {granularity!r}")
         block = granularity.block_size(tuple(weight.shape))
