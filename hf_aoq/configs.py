@@ -240,18 +240,20 @@ class Int4DynamicActivationInt4WeightConfig(_IntActivationInt4WeightConfig):
 @register_config_type
 @dataclass(frozen=True)
 class Float8DynamicActivationInt4WeightConfig(AOQBaseConfig):
-    """Symmetric int4 weights in groups of `group_size` x float8 activations quantized per token
-    at run time (fake-quantized, then the int4 kernels run)."""
+    """int4 weights in groups of `group_size` (symmetric, or "asymmetric" as torchao's plain int4
+    may be) x float8 activations quantized per token at run time (fake-quantized, then the int4
+    kernels run)."""
 
     group_size: int = 128
     activation_dtype: torch.dtype = torch.float8_e4m3fn
+    mapping_type: str = "symmetric"
 
     def __post_init__(self):
-        _check_int4_weight(type(self).__name__, self.group_size)
+        _check_int4_weight(type(self).__name__, self.group_size, self.mapping_type)
         _check_float8(type(self).__name__, "activation_dtype", self.activation_dtype)
 
     def quantize_weight(self, weight, *, name="weight"):
-        return Int4Tensor.from_float(weight, self.group_size, True, act_quant="per_token",
+        return Int4Tensor.from_float(weight, self.group_size, self.mapping_type == "symmetric", act_quant="per_token",
                                      act_dtype=self.activation_dtype, name=name)
 
 
