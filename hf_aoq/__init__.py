@@ -17,6 +17,8 @@ __all__ = [
     "AOQError",
     "AOQTensor",
     "Float8DynamicActivationFloat8WeightConfig",
+    "Float8DynamicActivationInt4WeightConfig",
+    "Float8StaticActivationFloat8WeightConfig",
     "Float8Tensor",
     "Float8WeightOnlyConfig",
     "FormatError",
@@ -24,8 +26,10 @@ __all__ = [
     "GemliteUIntXWeightOnlyConfig",
     "Int4DQTensor",
     "Int4DQWeightOnlyConfig",
+    "Int4DynamicActivationInt4WeightConfig",
     "Int4Tensor",
     "Int4WeightOnlyConfig",
+    "Int8DynamicActivationInt4WeightConfig",
     "Int8DynamicActivationInt8WeightConfig",
     "Int8DynamicActivationIntxWeightConfig",
     "Int8Tensor",
@@ -38,6 +42,7 @@ __all__ = [
     "PerGroup",
     "PerRow",
     "PerTensor",
+    "calibrate_activation_scales",
     "quantize_",
     "UIntXWeightOnlyConfig",
 ]
@@ -49,8 +54,10 @@ def _import_library() -> None:
     from .integrations import transformers as _integration  # registers "aoq" with transformers
     from .quantize import quantize_
     from . import tensors
+    from .activation_scales import calibrate_activation_scales
 
-    names = {"quantize_": quantize_, "AOQConfig": _integration.AOQConfig}
+    names = {"quantize_": quantize_, "AOQConfig": _integration.AOQConfig,
+             "calibrate_activation_scales": calibrate_activation_scales}
     for module in (configs, core, tensors):
         names.update({n: getattr(module, n) for n in __all__ if hasattr(module, n) and n not in names})
     globals().update(names)

@@ -13,8 +13,9 @@ is quantized from the Gram matrix of its inputs (H = X^T X, K x K, float32), and
 block runs once more to make the next block's inputs. Memory is the float model, the block
 inputs and one block's Gram matrices; time is about two forward passes plus the GPTQ sweeps.
 
-Only `Int4WeightOnlyConfig` weights are calibrated; other configs in a recipe are quantized
-as `quantize_` would.
+Only `Int4WeightOnlyConfig` weights are calibrated by GPTQ; static float8 activation scales
+(`Float8StaticActivationFloat8WeightConfig(scale=None)`) are chosen first, on the float model
+(hf_aoq.activation_scales); other configs in a recipe are quantized as `quantize_` would.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from .activation_scales import with_activation_scales
 from .configs import AOQBaseConfig, FqnToConfig, Int4WeightOnlyConfig
 from .core.errors import AOQError
 from .core.primitives import pack_int4
@@ -159,6 +161,9 @@ def quantize_with_calibration(
     report = CalibrationReport(tokens=sum(b.numel() for b in batches))
     start_time = time.perf_counter()
     decisions = plan(model, config, filter_fn=filter_fn)
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in batches]
+    decisions = with_activation_scales(model, decisions, batches)  # on the float model, before any change
     targets = _int4_linears(model, decisions)
 
     blocks: dict[str, dict[int, list[str]]] = {}
@@ -169,8 +174,6 @@ def quantize_with_calibration(
             blocks.setdefault(m.group(1), {}).setdefault(int(m.group(2)), []).append(name)
         else:
             rest.append(name)
-    device = next(model.parameters()).device
-    batches = [b.to(device) for b in batches]
 
     with torch.no_grad():
         for prefix, by_index in blocks.items():

@@ -96,9 +96,13 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
     parts = [kind, grain]
     if entry.type_name in ("Int4Tensor", "IntxTensor"):
         parts.append("asym" if "zero" in entry.keys else "sym")
-    act = attrs.get("act_quant")
-    if act:
+    act, act_dtype = attrs.get("act_quant"), attrs.get("act_dtype")
+    if act == "static":
+        parts.append(f"static-act {short_dtype(act_dtype) if isinstance(act_dtype, torch.dtype) else 'fp8'}")
+    elif act:
         parts.append(f"dyn-act {act}")
+        if entry.type_name == "Int4Tensor" and isinstance(act_dtype, torch.dtype):
+            parts.append(short_dtype(act_dtype))
     if entry.type_name == "MXTensor" and isinstance(attrs.get("act_dtype"), torch.dtype):
         parts.append(f"dyn-act mx {short_dtype(attrs['act_dtype'])}")
     return " ".join(p for p in parts if p)

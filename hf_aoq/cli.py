@@ -37,10 +37,18 @@ SCHEMES = {
     "int8-int3": "int3's weights, with int8 per-token activations",
     "int8-int5": "int5's weights, with int8 per-token activations",
     "int8-int6": "int6's weights, with int8 per-token activations",
+    "int8-int4": "int4 weights (symmetric, a scale per group of 32, or --group-size 64, 128, 256) x activations "
+                 "quantized to int8 per token as the model runs: 4.5 bits/weight at g32, integer dot products",
+    "fp8-int4": "int4 weights (symmetric, groups of 128) x activations quantized to float8 e4m3 per token as the "
+                "model runs: 4.125 bits/weight",
+    "int4-int4": "int4 weights (symmetric, groups of 128) x activations quantized to int4 per token as the model "
+                 "runs: 4.125 bits/weight",
+    "fp8-static": "float8 e4m3 weights (a scale per tensor) x activations quantized to float8 with a fixed scale "
+                  "per layer that --calibration FILE chooses (required): 8.0 bits/weight",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())
-_WEIGHT_ONLY = textwrap.fill("All but the -dyn, int8-intN and mx schemes are weight-only: weights are stored quantized and "
+_WEIGHT_ONLY = textwrap.fill("All but the -dyn, mx and <activation>-<weight> schemes are weight-only: weights are stored quantized and "
                              "dequantized inside the kernels, activations stay in bf16/fp32. One rule: --scheme "
                              "names one tensor type, and --group-size only changes that type's group size, never "
                              "the type.", 96)
@@ -95,7 +103,8 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
     p.add_argument("--group-size", type=int, metavar="N",
                    help="the scheme's group size: int4 32 or 64 (default 32); int4-plain 32, 64, 128 or 256 "
                         "(default 128); int8 groups instead of rows; int2, int3, int5, int6 (and int8-intN) 16, 32, 64, "
-                        "128 or 256 (default 32). It never changes the scheme")
+                        "128 or 256 (default 32); int8-int4, fp8-int4, int4-int4 32, 64, 128 or 256. It never changes "
+                        "the scheme")
     p.add_argument("--recipe", metavar="FILE.json", help="per-layer FqnToConfig as JSON (hf_aoq.configs.recipe_to_dict); "
                                                          "--scheme then covers the layers it does not name")
     p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],
@@ -106,7 +115,8 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                         "vLLM's 4-bit kernels cannot run stay in float. gguf (llama.cpp): int4 schemes become "
                         "symmetric int4 in groups of 32 (Q4_0), int8 groups of 32 with fp16 scales (Q8_0)")
     p.add_argument("--calibration", metavar="FILE",
-                   help="a text file: choose int4-plain weights by GPTQ on it (slower; loads the float model first)")
+                   help="a text file: choose int4-plain weights by GPTQ on it, and fp8-static's activation scales "
+                        "(slower; loads the float model first)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
                    help="how many tokens of --calibration to use (default 2048)")
     p.add_argument("--out", required=out_required, metavar="DIR", help="folder to save the quantized checkpoint in")

@@ -30,6 +30,7 @@ from .core.primitives import FLOAT8_DTYPES, QPARAM_METHODS
 from .core.registry import CONFIG_TYPES, config_type, dtype_from_name, dtype_name, register_config_type
 from .tensors import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor
 from .tensors import int4dq, intx, mx
+from .tensors.float8 import static_act_scale
 from .tensors.int4 import DEFAULT_QPARAMS, GROUP_SIZES
 
 
@@ -172,6 +173,102 @@ class Float8DynamicActivationFloat8WeightConfig(AOQBaseConfig):
         return Float8Tensor.from_float(
             weight, self.weight_dtype, self.granularity, act_quant=act, act_dtype=self.activation_dtype, name=name
         )
+
+
+@register_config_type
+@dataclass(frozen=True)
+class Float8StaticActivationFloat8WeightConfig(AOQBaseConfig):
+    """float8 weights; activations quantized to float8 per tensor with a fixed `scale` (x / scale),
+    given here or chosen by calibration (hf_aoq.activation_scales; AOQConfig(calibration=...)).
+    A torchao user's `scale` tensor (one element) is taken as its number. Float8Tensor with
+    act_quant "static" and the scale as its act_scale."""
+
+    scale: float | None = None
+    activation_dtype: torch.dtype = torch.float8_e4m3fn
+    weight_dtype: torch.dtype = torch.float8_e4m3fn
+    granularity: PerRow | PerTensor = PerTensor()
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        if self.scale is not None:
+            object.__setattr__(self, "scale", static_act_scale(self.scale, f"{owner}.scale"))
+        _check_float8(owner, "activation_dtype", self.activation_dtype)
+        _check_float8(owner, "weight_dtype", self.weight_dtype)
+        _check_granularity(owner, self.granularity)
+
+    def quantize_weight(self, weight, *, name="weight"):
+        if self.scale is None:
+            raise AOQError(f"{name}: {type(self).__name__}.scale is None; give scale=<a positive number> or calibrate "
+                           "the activation scales (AOQConfig(calibration=<text file>), hf_aoq.calibrate_activation_scales)")
+        return Float8Tensor.from_float(weight, self.weight_dtype, self.granularity, act_quant="static",
+                                       act_dtype=self.activation_dtype, act_scale=self.scale, name=name)
+
+
+# ---------------------------------------------------------------------- activation-quantized int4
+_MAPPING_TYPES = ("symmetric", "asymmetric")
+
+
+def _check_int4_weight(owner: str, group_size, mapping_type: str = "symmetric") -> None:
+    if type(group_size) is not int or group_size not in GROUP_SIZES:
+        raise AOQError(f"{owner}.group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if mapping_type not in _MAPPING_TYPES:
+        raise AOQError(f"{owner}.mapping_type must be one of {_MAPPING_TYPES}, got {mapping_type!r}")
+
+
+class _IntActivationInt4WeightConfig(AOQBaseConfig):
+    """int4 weights in groups of `group_size` (symmetric, torchao's default, or "asymmetric": a
+    zero per group) x integer activations quantized per token (symmetric) at run time to
+    `_act_dtype`: an Int4Tensor run by integer dot products on CPU (kernels/cpu.py)."""
+
+    _act_dtype: typing.ClassVar[torch.dtype]
+
+    def __post_init__(self):
+        _check_int4_weight(type(self).__name__, self.group_size, self.mapping_type)
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return Int4Tensor.from_float(weight, self.group_size, self.mapping_type == "symmetric", act_quant="per_token",
+                                     act_dtype=self._act_dtype, name=name)
+
+
+@register_config_type
+@dataclass(frozen=True)
+class Int8DynamicActivationInt4WeightConfig(_IntActivationInt4WeightConfig):
+    """int8 activations (per token, codes in [-127, 127]) x int4 weights in groups of 32."""
+
+    group_size: int = 32
+    mapping_type: str = "symmetric"
+    _act_dtype = torch.int8
+
+
+@register_config_type
+@dataclass(frozen=True)
+class Int4DynamicActivationInt4WeightConfig(_IntActivationInt4WeightConfig):
+    """int4 activations (per token, codes in [-7, 7]) x int4 weights. torchao's weights are per
+    row; hf_aoq's Int4Tensor takes groups, of `group_size` (128, an hf_aoq addition)."""
+
+    group_size: int = 128
+    mapping_type: str = "symmetric"
+    _act_dtype = torch.int4
+
+
+@register_config_type
+@dataclass(frozen=True)
+class Float8DynamicActivationInt4WeightConfig(AOQBaseConfig):
+    """int4 weights in groups of `group_size` (symmetric, or "asymmetric" as torchao's plain int4
+    may be) x float8 activations quantized per token at run time (fake-quantized, then the int4
+    kernels run)."""
+
+    group_size: int = 128
+    activation_dtype: torch.dtype = torch.float8_e4m3fn
+    mapping_type: str = "symmetric"
+
+    def __post_init__(self):
+        _check_int4_weight(type(self).__name__, self.group_size, self.mapping_type)
+        _check_float8(type(self).__name__, "activation_dtype", self.activation_dtype)
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return Int4Tensor.from_float(weight, self.group_size, self.mapping_type == "symmetric", act_quant="per_token",
+                                     act_dtype=self.activation_dtype, name=name)
 
 
 def _check_mx_dtype(owner: str, name: str, dtype, allowed: tuple) -> None:
@@ -397,7 +494,7 @@ class FqnToConfig:
 # A recipe is stored as plain JSON (in config.json under "quantization_config"):
 #   a config:     {"type": "<name in CONFIG_TYPES>", "<field>": <value>, ...}
 #   FqnToConfig:  {"type": "FqnToConfig", "mapping": [["<key>", <config or null>], ...]}
-# Field values are JSON scalars or one of two tagged values:
+# Field values are JSON scalars (finite numbers) or one of two tagged values:
 #   {"dtype": "<name in the dtype allow-list>"}      a torch.dtype
 #   {"granularity": "PerRow" | "PerTensor"}           a granularity
 #   {"granularity": "PerGroup", "group_size": <int>}  a granularity with a group size
@@ -413,6 +510,8 @@ _FQN_TO_CONFIG_TAG = "FqnToConfig"
 
 def _encode_value(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float) and value == value and abs(value) != float("inf"):
         return value
     if isinstance(value, torch.dtype):
         try:
@@ -437,6 +536,8 @@ def _decode_value(value: Any, where: str) -> Any:
             return PerGroup(size)
         except AOQError as e:
             raise FormatError(f"{where}: {e}") from None
+    if isinstance(value, float) and value == value and abs(value) != float("inf"):
+        return value
     if isinstance(value, dict) and len(value) == 1:
         (tag, name), = value.items()
         if tag == "dtype":
@@ -462,7 +563,8 @@ def _allowed_types(cls: type, name: str) -> tuple[type, ...]:
 
 def _check_type(value: Any, allowed: tuple[type, ...], where: str) -> None:
     # bool is an int subclass; a boolean is accepted only where bool is declared.
-    ok = any(isinstance(value, t) for t in allowed) and not (
+    # A JSON integer is a number too where a float is declared.
+    ok = (any(isinstance(value, t) for t in allowed) or (float in allowed and isinstance(value, int))) and not (
         isinstance(value, bool) and bool not in allowed
     )
     if not ok:
@@ -559,9 +661,16 @@ def recipe_from_dict(data: Any, *, where: str = "recipe") -> "AOQBaseConfig | Fq
 # ---------------------------------------------------------------------- schemes by name
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
 SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
-           "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6")
+           "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
+           "int8-int4", "fp8-int4", "int4-int4", "fp8-static")
 INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
 INTX_DEFAULT_GROUP = 32
+# The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
+_INT4_ACT_SCHEMES = {
+    "int8-int4": Int8DynamicActivationInt4WeightConfig,
+    "fp8-int4": Float8DynamicActivationInt4WeightConfig,
+    "int4-int4": Int4DynamicActivationInt4WeightConfig,
+}
 
 
 def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConfig:
@@ -574,7 +683,10 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     with e4m3 or e2m1 weights and e4m3 activations, both in MX blocks of 32 (their only size);
     int2, int3, int5 and int6 are IntxWeightOnlyConfig, symmetric, in groups of 32 (or 16, 64,
     128, 256); int8-int2 .. int8-int6 are Int8DynamicActivationIntxWeightConfig with the same
-    weights and int8 per-token activations."""
+    weights and int8 per-token activations.
+    int8-int4, fp8-int4 and int4-int4 are int4 weights (groups of 32, 128 and 128 by default) with
+    int8, float8 (e4m3) or int4 activations quantized per token at run time; fp8-static is
+    Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses."""
     intx_bits = INTX_SCHEME_BITS.get(scheme.removeprefix("int8-") if scheme.startswith("int8-int") else scheme)
     if intx_bits is not None and scheme in SCHEMES:
         g = INTX_DEFAULT_GROUP if group_size is None else group_size
@@ -590,6 +702,9 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
         return Int4WeightOnlyConfig() if group_size is None else Int4WeightOnlyConfig(group_size=group_size)
     if scheme == "int8":
         return Int8WeightOnlyConfig(group_size=group_size)
+    if scheme in _INT4_ACT_SCHEMES:
+        cls = _INT4_ACT_SCHEMES[scheme]
+        return cls() if group_size is None else cls(group_size=group_size)
     if scheme not in SCHEMES:
         raise AOQError(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     if scheme in ("mxfp8", "mxfp4"):
@@ -603,4 +718,5 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
         "int8-dyn": Int8DynamicActivationInt8WeightConfig,
         "fp8": Float8WeightOnlyConfig,
         "fp8-dyn": Float8DynamicActivationFloat8WeightConfig,
+        "fp8-static": Float8StaticActivationFloat8WeightConfig,
     }[scheme]()

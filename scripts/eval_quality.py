@@ -101,6 +101,17 @@ def hf_aoq_options(calibration):
         dtype = getattr(torch, f"int{b}")
         yield f"hf_aoq int8-int{b} g32 (Intx, int8 activations)", lambda m, d=dtype: hf_aoq.quantize_(
             m, Ix8(d, hf_aoq.PerGroup(32)), not_lm_head)
+    # Activation-quantized schemes (their --scheme names): int4 weights x per-token activations,
+    # and float8 with static activation scales calibrated on the calibration windows.
+    yield "hf_aoq int8-int4 (int8 act x int4 g32 sym)", lambda m: hf_aoq.quantize_(
+        m, hf_aoq.Int8DynamicActivationInt4WeightConfig(), not_lm_head)
+    yield "hf_aoq int4-int4 (int4 act x int4 g128 sym)", lambda m: hf_aoq.quantize_(
+        m, hf_aoq.Int4DynamicActivationInt4WeightConfig(), not_lm_head)
+    yield "hf_aoq fp8-int4 (e4m3 act x int4 g128 sym)", lambda m: hf_aoq.quantize_(
+        m, hf_aoq.Float8DynamicActivationInt4WeightConfig(), not_lm_head)
+    yield "hf_aoq fp8-static (e4m3, calibrated act scales)", lambda m: hf_aoq.quantize_(
+        m, hf_aoq.calibrate_activation_scales(m, hf_aoq.Float8StaticActivationFloat8WeightConfig(), calibration,
+                                              filter_fn=not_lm_head))
     for qparams in ("minmax", "mse"):
         yield f"hf_aoq int4 g128 {qparams} + calibration (GPTQ)", lambda m, q=qparams: quantize_with_calibration(
             m, I4(128, qparams=q), calibration, filter_fn=not_lm_head

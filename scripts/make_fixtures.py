@@ -10,6 +10,8 @@ new capability of a type, adds a generation to `GENERATIONS` below.
     manifest.int4dq.json          Int4DQTensor (new type), schema version 1
     manifest.mx.json              MXTensor (new type: OCP MXFP8 / MXFP4), schema version 1
     manifest.intx.json            IntxTensor (new type: 1- to 8-bit bit-packed codes), schema version 1
+    manifest.act_variants.json    Int4Tensor with activation attributes (int8, int4, float8 per
+                                  token) and Float8Tensor with a static act_scale, schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -27,6 +29,7 @@ gives the same bits and the tests can compare exactly.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -180,12 +183,37 @@ def state_dicts_intx() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_act_variants() -> dict[str, dict[str, torch.Tensor]]:
+    int4_act = functools.partial(Int4Tensor.from_float, qparams="minmax", act_quant="per_token")
+    static = functools.partial(Float8Tensor.from_float, act_quant="static")
+    return {
+        "v1_int4_act": {
+            # The schemes int8-int4 (g32), int4-int4 and fp8-int4 (g128), as their configs make them.
+            "int8_act_sym_g32_bf16": int4_act(weight(36, 32, 128, BF16), 32, True, act_dtype=torch.int8),
+            "int4_act_sym_g128_bf16": int4_act(weight(37, 16, 256, BF16), 128, True, act_dtype=torch.int4),
+            "e4m3_act_sym_g128_bf16": int4_act(weight(38, 16, 256, BF16), 128, True, act_dtype=E4M3),
+            # Asymmetric weights with a partial last group (96 = 64 + 32), e5m2 activations, fp16.
+            "int8_act_asym_k96_g64_f16": int4_act(weight(39, 16, 96, F16), 64, False, act_dtype=torch.int8),
+            "e5m2_act_asym_g32_f16": int4_act(weight(40, 16, 64, F16), 32, False, act_dtype=E5M2),
+        },
+        "v1_float8_static": {
+            "static_e4m3_per_tensor_bf16": static(weight(41, 16, 64, BF16), E4M3, PerTensor(), act_dtype=E4M3,
+                                                  act_scale=2.0**-7),
+            "static_e4m3_per_row_e5m2_acts_f16": static(weight(42, 16, 64, F16), E4M3, PerRow(), act_dtype=E5M2,
+                                                        act_scale=2.0**-5),
+            # A scale so small that the inputs clip at the float8 maximum.
+            "static_e4m3_clipping_bf16": static(weight(43, 16, 64, BF16), E4M3, PerTensor(), act_scale=2.0**-10),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
     "manifest.int4dq.json": state_dicts_int4dq,
     "manifest.mx.json": state_dicts_mx,
     "manifest.intx.json": state_dicts_intx,
+    "manifest.act_variants.json": state_dicts_act_variants,
 }
 
 

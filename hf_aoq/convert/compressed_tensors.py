@@ -136,6 +136,9 @@ def scheme_of(t: AOQTensor) -> Scheme:
     n, k = shape
     if isinstance(c, Int4Tensor):
         g = c.group_size
+        if c.act_quant is not None:
+            raise NotExact(f"activations quantized to {c.act_dtype} per token at run time: hf_aoq exports int4 "
+                           "weight-only groups")
         if k % g:
             raise NotExact(f"input dimension {k} ends in a partial group of {k % g} (groups of {g}); "
                            f"compressed-tensors needs whole groups")
@@ -160,6 +163,8 @@ def scheme_of(t: AOQTensor) -> Scheme:
             strategy = "tensor"
         else:
             raise NotExact(f"block_size {b}: the saved transpose of a float8 weight (scales per column)")
+        if c.act_quant == "static":
+            raise NotExact("a static activation scale (act_scale): hf_aoq exports dynamic float8 activations only")
         inputs = {None: None, "per_row": "token", "per_tensor": "tensor"}[c.act_quant]
         return Scheme(FLOAT, 8, "float", strategy, None, True, inputs)
     raise NotExact(f"{type(c).__name__} has no compressed-tensors form")
@@ -232,8 +237,9 @@ def nearest_exportable(t: AOQTensor, name: str) -> tuple[AOQTensor | None, str]:
 
         gran = PerTensor() if tuple(c.block_size) == tuple(c.shape) else PerRow()
         act = None if c.act_quant is None else torch.float8_e4m3fn
-        out = Float8Tensor.from_float(w, torch.float8_e4m3fn, gran, c.act_quant, act, name=name)
-        return out, "re-quantized to float8 e4m3"
+        act_quant = "per_tensor" if c.act_quant == "static" else c.act_quant  # the nearest: dynamic per tensor
+        out = Float8Tensor.from_float(w, torch.float8_e4m3fn, gran, act_quant, act, name=name)
+        return out, "re-quantized to float8 e4m3" + (" (static activations become dynamic)" if act_quant != c.act_quant else "")
     return None, f"kept in float ({type(c).__name__} has no compressed-tensors form)"
 
 

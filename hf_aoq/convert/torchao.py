@@ -5,7 +5,8 @@ this module maps each torchao tensor to an hf_aoq tensor type and writes the hf_
 docs/torchao.md describes the format and the mapping:
 
     torchao                                   hf_aoq
-    Int4Tensor (plain int4, mslk)             Int4Tensor      codes + 8, scale/zero transposed
+    Int4Tensor (plain int4, mslk)             Int4Tensor      codes + 8, scale/zero transposed; with
+                                                              float8 activations: act_quant per_token
     Int8Tensor (symmetric)                    Int8Tensor      per row, per group; per tensor as rows
     Float8Tensor (per row / per tensor)       Float8Tensor
     IntxUnpackedToInt8Tensor int4, group      Int4Tensor      zero = -zero_point * scale
@@ -32,6 +33,7 @@ import torch
 from ..configs import (
     AOQBaseConfig,
     Float8DynamicActivationFloat8WeightConfig,
+    Float8DynamicActivationInt4WeightConfig,
     Float8WeightOnlyConfig,
     INT_DTYPES_BY_BITS,
     FqnToConfig,
@@ -153,9 +155,10 @@ def _int4_tensor(r: Record):
     if block[0] != 1 or block[1] not in GROUP_SIZES:
         raise r.fail(f"block_size {list(block)}: hf_aoq's int4 takes groups of one row and {GROUP_SIZES} columns")
     act = r.attributes.get("activation_dtype")
-    if act is not None and act != Dtype("bfloat16"):
-        raise r.fail(f"activation_dtype {show(act)}: activations quantized to float8 at run time "
-                     f"(int4 weights x float8 activations) are not an hf_aoq scheme")
+    float8_acts = act == Dtype("float8_e4m3fn")  # torchao's Float8DynamicActivationInt4WeightConfig: per row
+    if act is not None and act != Dtype("bfloat16") and not float8_acts:
+        raise r.fail(f"activation_dtype {show(act)}: hf_aoq's int4 takes bfloat16 (weight-only) or "
+                     f"float8_e4m3fn (per-token float8) activations")
     r.unset("act_pre_scale", "torchao multiplies activations by it before the matmul")
     g = block[1]
     grid = _grid(r, shape, block)
@@ -169,10 +172,16 @@ def _int4_tensor(r: Record):
     codes = qdata.view(torch.uint8) ^ 0x88
     scale_t, zero_t = scale.t().contiguous(), zero.t().contiguous()
     symmetric = not bool(zero_t.any())
-    out = Int4Tensor(codes.contiguous(), scale_t, (1, g), shape, dtype, zero=None if symmetric else zero_t)
+    act_fields = {"act_quant": "per_token", "act_dtype": torch.float8_e4m3fn} if float8_acts else {}
+    out = Int4Tensor(codes.contiguous(), scale_t, (1, g), shape, dtype, zero=None if symmetric else zero_t,
+                     **act_fields)
     q = _signed_nibbles(qdata.view(torch.int8)).float().reshape(n, grid[1], g)
     want = (q * scale_t.float().unsqueeze(-1) + zero_t.float().unsqueeze(-1)).reshape(n, k)
     detail = f"int4, group {g}, {'symmetric' if symmetric else 'asymmetric'}"
+    if float8_acts:
+        config = Float8DynamicActivationInt4WeightConfig(
+            group_size=g, mapping_type="symmetric" if symmetric else "asymmetric")
+        return out, config, detail + ", dynamic float8_e4m3fn activations per token", want.to(dtype)
     return out, Int4WeightOnlyConfig(group_size=g, symmetric=symmetric), detail, want.to(dtype)
 
 

@@ -31,6 +31,8 @@ _DTYPE_TABLE: tuple[tuple[torch.dtype, str | None, str | None, str], ...] = (
     (torch.int32, "int32", "I32", "int32"),
     (torch.int64, "int64", "I64", "int64"),
     (torch.bool, "bool", "BOOL", "bool"),
+    # Int4Tensor's act_dtype names it (int4 activation codes); no tensor is stored in it.
+    (torch.int4, "int4", None, "int4"),
     (torch.complex64, None, "C64", "complex64"),
     # MXTensor's element formats name it (attributes and config JSON); its bytes are stored as U8
     # (safetensors' F4 counts elements, not bytes, so it is not this dtype).
@@ -59,7 +61,8 @@ ENUMS: dict[str, frozenset[str]] = {
     "Int8Tensor.act_quant": frozenset({"per_token"}),
     "IntxTensor.packing": frozenset(),
     "IntxTensor.act_quant": frozenset({"per_token"}),
-    "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row"}),
+    "Int4Tensor.act_quant": frozenset({"per_token"}),
+    "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row", "static"}),
 }
 
 

@@ -30,9 +30,15 @@ def scale_and_zero(w) -> torch.Tensor:
 
 def quantize_int8_per_token(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes and float32 scales, one per row of a 2-D activation."""
+    return quantize_int_per_token(x2, 127)
+
+
+def quantize_int_per_token(x2: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric integer codes in [-qmax, qmax] (as int8) and float32 scales max|x| / qmax, one
+    per row of a 2-D activation (int8 activations: qmax 127; int4: 7)."""
     xf = x2.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-12)
-    return torch.round(xf / scale).clamp_(-127, 127).to(torch.int8), scale
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=1e-12)
+    return torch.round(xf / scale).clamp_(-qmax, qmax).to(torch.int8), scale
 
 
 # An Int4Tensor's last group may be partial (K not a multiple of g). aten's int4 kernels need

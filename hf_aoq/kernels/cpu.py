@@ -80,6 +80,7 @@ def _float_input(x, w) -> bool:
                  device="cpu", needs=(ATEN_INT4_CPU,), when=_float_input)
 def int4_cpu_linear(x, w, bias):
     k = w.shape[1]
+    x = w.simulate_input_quantization(x)  # activation-quantized Int4Tensors: as the reference
     x2 = pad_input(x.reshape(-1, k), int4_padded_k(w)).contiguous()
     sz = w.scale if w.scale.dtype == x.dtype else w.scale.to(x.dtype)
     y = aten._weight_int4pack_mm_for_cpu(x2, w.qdata, w.block_size[-1], sz)
@@ -221,8 +222,43 @@ def _contiguous_float_input(x, w) -> bool:
 def int4_ext_linear(x, w, bias):
     """Float32 activations: float32 compute on the exactly dequantized weight. Half-precision
     activations meet the codes as int16 codes (see int4_pairs.h), more precise than the
-    reference, which rounds the weight to the activation dtype."""
+    reference, which rounds the weight to the activation dtype. Float8 (and, without the integer
+    kernel below, int8/int4) activations are fake-quantized first, as the reference does."""
+    x = w.simulate_input_quantization(x)
     return int4_linear_io(x, w.qdata, w.scale, w.block_size[-1], _in_features(w), bias)
+
+
+# Int4Tensor with integer activations (act_dtype int8 or int4): the codes and per-token scales of
+# `w.quantize_input` (the ones the reference fake-quantizes with) meet the int4 codes in exact
+# integer multiply-adds (csrc/int8_int4.cpp, on the pairs layout's int16 path). Above every other
+# Int4Tensor row: it is the kernel these weights are for, at any number of rows.
+INT_ACT_DTYPES = (torch.int8, torch.int4)
+
+
+def _int_activations(x, w) -> bool:
+    return (x.dtype in FLOATS and w.act_dtype in INT_ACT_DTYPES and w.qdata.is_contiguous()
+            and w.scale.is_contiguous())
+
+
+def _int8_int4_out(codes, act_scale, packed, scale_zero, group_size, k, bias, dtype):
+    return codes.new_empty((codes.shape[0], packed.shape[0]), dtype=dtype)
+
+
+@opaque_op("int8_int4_linear_io_cpu", _int8_int4_out)
+def int8_int4_linear_io(
+    codes: torch.Tensor, act_scale: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
+    k: int, bias: Optional[torch.Tensor], dtype: torch.dtype,
+) -> torch.Tensor:
+    return cpu_ext.load().int8_int4_linear_io(codes, act_scale, packed, scale_zero, group_size, k, bias, dtype)
+
+
+@register_kernel("linear", "Int4Tensor", "cpu_int8_int4_ext", backend="cpu", priority=40, reads=("cpu_int4_pairs",),
+                 device="cpu", needs=(CPU_EXT,), when=_int_activations)
+def int8_int4_ext_linear(x, w, bias):
+    k = _in_features(w)
+    codes, scale = w.quantize_input(x.reshape(-1, k))
+    y = int8_int4_linear_io(codes.contiguous(), scale, w.qdata, w.scale, w.block_size[-1], k, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # ---------------------------------------------------------------------- int8

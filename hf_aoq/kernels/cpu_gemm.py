@@ -86,6 +86,7 @@ def _linear(x, weight, bias):
 
 
 def _int4(x, w, bias):
+    x = w.simulate_input_quantization(x)
     return _linear(x, int4_dequantize(w.qdata, w.scale, w.block_size[-1], _in_features(w), x.dtype), bias)
 
 

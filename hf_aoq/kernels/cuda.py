@@ -124,6 +124,7 @@ def int4_tinygemm_linear(x, w, bias):
     """tinygemm reads bf16 activations only: fp16 and fp32 ones are cast to bf16 and the output
     back (the reference would unpack the weight on every call)."""
     n, k = w.shape
+    x = w.simulate_input_quantization(x)  # activation-quantized Int4Tensors: as the reference
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return _no_rows(x, n, x.dtype)

@@ -55,6 +55,7 @@ def _int4_gemv_applies(x, w) -> bool:
                  needs=(TRITON,), when=_int4_gemv_applies)
 def int4_triton_linear(x, w, bias):
     n, k = w.shape
+    x = w.simulate_input_quantization(x)  # activation-quantized Int4Tensors: as the reference
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

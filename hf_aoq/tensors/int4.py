@@ -5,6 +5,10 @@ Canonical layout (what is saved):
     scale   [N, ceil(K/g)]         in the weight's dtype
     zero    [N, ceil(K/g)] or None the value that code 8 stands for; None = symmetric (zero 0)
     w = (q - 8) * scale + zero
+    act_quant  None (weight-only) or "per_token": activations quantized at run time, one scale per
+               token (row), to `act_dtype`:
+    act_dtype  torch.int8 (symmetric codes in [-127, 127]), torch.int4 (symmetric codes in
+               [-7, 7], scale = max|x| / 7) or a float8 dtype (scale = max|x| / its max)
 
 K need not be a multiple of g: the last group then covers the remaining K % g columns (SmolLM2's
 hidden size 576 in groups of 128 is four whole groups and one of 64). The device packings pad
@@ -21,6 +25,7 @@ import torch
 
 from ..core.errors import AOQError
 from ..core.primitives import (
+    FLOAT8_DTYPES,
     by_row_chunks,
     choose_qparams_affine,
     dequantize_affine,
@@ -30,12 +35,18 @@ from ..core.primitives import (
 )
 from ..core.registry import register_tensor_type
 from ..kernels.common import INT4_GROUP_SIZES as GROUP_SIZES
+from ..kernels.common import quantize_int_per_token
 from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
+from .float8 import quantize_input_float8
 
 QMIN, QMAX = 0, 15
 # How scales are chosen unless told otherwise, here and in Int4WeightOnlyConfig: "mse" is the
 # more accurate (README "4-bit quality"); "minmax" is the plain range.
 DEFAULT_QPARAMS = "mse"
+ACT_QUANTS = (None, "per_token")
+# Activation dtypes, and for the integer ones the largest code of the per-token symmetric range.
+INT_ACT_QMAX = {torch.int8: 127, torch.int4: 7}
+ACT_DTYPES = tuple(INT_ACT_QMAX) + FLOAT8_DTYPES
 
 
 @register_tensor_type
@@ -43,7 +54,7 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = ("block_size", "shape", "dtype")
     optional_tensor_data_names = ("zero",)
-    optional_tensor_attribute_names = ("packing",)
+    optional_tensor_attribute_names = ("packing", "act_quant", "act_dtype")
     schema_version = 1
     codes_per_byte = 2
 
@@ -55,13 +66,17 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
         symmetric: bool = False,
         *,
         qparams: str = DEFAULT_QPARAMS,
+        act_quant: str | None = None,
+        act_dtype: torch.dtype | None = None,
         name: str = "weight",
     ):
         """Quantize a float [N, K] weight in groups of `group_size` along K. `qparams` picks how
         each group's scale and zero are chosen: "mse" (default, as Int4WeightOnlyConfig's: the
         least squared reconstruction error; see core.primitives) or "minmax" (the group's range,
-        nothing clips)."""
+        nothing clips). `act_quant` "per_token" with `act_dtype` (ACT_DTYPES) quantizes the
+        activations at run time too."""
         check_weight(weight, name)
+        check_act_fields(act_quant, act_dtype, name)
         if group_size not in GROUP_SIZES:
             raise AOQError(f"{name}: int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
         if weight.shape[1] % 2:
@@ -75,7 +90,8 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
             return pack_int4(quantize_affine(w, block, scale, zero, QMIN, QMAX, torch.uint8)), scale, zero
 
         qdata, scale, zero = by_row_chunks(weight, rows)
-        return check_built(cls(qdata, scale, block, weight.shape, weight.dtype, zero=zero), weight, name)
+        out = cls(qdata, scale, block, weight.shape, weight.dtype, zero=zero, act_quant=act_quant, act_dtype=act_dtype)
+        return check_built(out, weight, name)
 
     @classmethod
     def check_fields(cls, fields) -> None:
@@ -83,6 +99,7 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
         check_grid_fields(fields, (torch.uint8,), codes_per_byte=2, partial_last_block=True)
         check_layout(fields, cls.__name__, f"(1, g) with g in {GROUP_SIZES}",
                      lambda b, shape: len(b) == 2 and b[0] == 1 and b[1] in GROUP_SIZES)
+        check_act_fields(fields.get("act_quant"), fields.get("act_dtype"), None)
 
     @property
     def group_size(self) -> int:
@@ -95,6 +112,27 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         c = self.to_canonical()
         return dequantize_affine(unpack_int4(c.qdata), c.block_size, c.scale, c.zero, QMIN, QMAX, dtype or self.dtype)
+
+    def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (int8, also for int4 activations; or float8) and float32 scales [M, 1], one per
+        token (row) of a 2-D activation: what every kernel and the reference apply."""
+        qmax = INT_ACT_QMAX.get(self.act_dtype)
+        if qmax is not None:
+            return quantize_int_per_token(x2, qmax)
+        return quantize_input_float8(x2, "per_row", self.act_dtype)
+
+
+def check_act_fields(act_quant, act_dtype, name: str | None) -> None:
+    """Int4Tensor's activation attributes: both None (weight-only) or "per_token" with one of
+    ACT_DTYPES. `name`: the weight being quantized (None: checking a checkpoint's attributes)."""
+    where = "attribute" if name is None else f"{name}: Int4Tensor"
+    if act_quant not in ACT_QUANTS:
+        raise AOQError(f"{where} 'act_quant' must be one of {ACT_QUANTS}, got {act_quant!r}")
+    if (act_quant is None) != (act_dtype is None):
+        raise AOQError(f"{where} 'act_dtype' must be given with act_quant 'per_token' and only then "
+                       f"(act_quant {act_quant!r}, act_dtype {act_dtype!r})")
+    if act_dtype is not None and act_dtype not in ACT_DTYPES:
+        raise AOQError(f"{where} 'act_dtype' must be one of {ACT_DTYPES}, got {act_dtype!r}")
 
 
 

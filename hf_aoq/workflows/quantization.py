@@ -47,7 +47,8 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
     """The AOQConfig for `hf-aoq quantize`: `scheme` (+ `group_size`, which changes only that
     scheme's group size, never its type) is the config of every linear layer the recipe does
     not name; a `recipe` (FqnToConfig, or a path to its JSON) comes first; `skip` names modules
-    to leave in float; `calibration` is a text file for GPTQ (plain int4 only)."""
+    to leave in float; `calibration` is a text file for GPTQ (plain int4) and for the static
+    activation scales of fp8-static (which needs it)."""
     from ..configs import FqnToConfig, config_for_scheme
     from ..integrations.transformers import AOQConfig
 
@@ -62,6 +63,9 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
         raise UsageError("--calibration (GPTQ) chooses plain int4 weights: use --scheme int4-plain (groups of 128 by "
                          "default). The default int4 (Int4DQ) needs no data and is more accurate (SmolLM2: 31.6 "
                          "against GPTQ's 38.9 at g128)")
+    if scheme == "fp8-static" and calibration is None:
+        raise UsageError("--scheme fp8-static needs --calibration FILE (a text file): its activation scales are "
+                         "chosen on that text")
     if scheme is None and group_size is not None:
         raise UsageError("--group-size needs --scheme int4, int4-plain or int8")
     if isinstance(recipe, (str, os.PathLike)):

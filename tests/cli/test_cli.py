@@ -75,7 +75,7 @@ def test_quantize_saves_checkpoint_tokenizer_and_card(int4_dir):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_each_scheme_name_builds_its_config(scheme):
+def test_each_scheme_name_builds_its_config(scheme, tmp_path):
     cfg = config_for_scheme(scheme)
     expected = {
         "int4": hf_aoq.Int4DQWeightOnlyConfig(),  # about g128's size, g32's accuracy
@@ -89,8 +89,18 @@ def test_each_scheme_name_builds_its_config(scheme):
         **{f"int{b}": hf_aoq.IntxWeightOnlyConfig(getattr(torch, f"int{b}"), hf_aoq.PerGroup(32)) for b in (2, 3, 5, 6)},
         **{f"int8-int{b}": hf_aoq.Int8DynamicActivationIntxWeightConfig(getattr(torch, f"int{b}"), hf_aoq.PerGroup(32))
            for b in (2, 3, 5, 6)},
+        "int8-int4": hf_aoq.Int8DynamicActivationInt4WeightConfig(group_size=32),
+        "fp8-int4": hf_aoq.Float8DynamicActivationInt4WeightConfig(group_size=128),
+        "int4-int4": hf_aoq.Int4DynamicActivationInt4WeightConfig(group_size=128),
+        "fp8-static": hf_aoq.Float8StaticActivationFloat8WeightConfig(scale=None),
     }[scheme]
     assert cfg == expected
+    if scheme == "fp8-static":  # its scales come from calibration text, which it needs
+        with pytest.raises(workflows.UsageError, match="fp8-static needs --calibration"):
+            workflows.build_aoq_config(scheme)
+        (tmp_path / "text.txt").write_text("some text")
+        assert workflows.build_aoq_config(scheme, calibration=str(tmp_path / "text.txt")).quant_type == expected
+        return
     assert workflows.build_aoq_config(scheme).quant_type == expected
 
 

@@ -311,11 +311,24 @@ def test_asymmetric_int8_is_refused(tmp_path):
     assert_refused(src, tmp_path / "out", repr(W), "zero_point", "symmetric")
 
 
-def test_float8_activations_with_int4_weights_are_refused(tmp_path):
+def test_float8_activations_with_int4_weights_convert(tmp_path):
+    """torchao's Float8DynamicActivationInt4WeightConfig (plain int4, activation_dtype e4m3): an
+    Int4Tensor with per-token e4m3 activations; other activation dtypes are refused."""
     name = "model.layers.0.mlp.down_proj.weight"
     src = edited_copy(tmp_path, "int4_plain", metadata=edit_entry(
         name, lambda e: e["_data"].update(activation_dtype={"_type": "torch.dtype", "_data": "float8_e4m3fn"})))
-    assert_refused(src, tmp_path / "out", repr(name), "activation_dtype", "float8")
+    summary = convert_torchao_checkpoint(src, tmp_path / "out")
+    detail = {t.name: t.detail for t in summary.tensors}
+    assert detail[name] == "int4, group 32, asymmetric, dynamic float8_e4m3fn activations per token"
+    assert detail["model.layers.0.mlp.up_proj.weight"] == "int4, group 32, asymmetric"
+    model = load(tmp_path / "out")
+    w = model.get_parameter(name)
+    assert isinstance(w, hf_aoq.Int4Tensor) and w.act_quant == "per_token" and w.act_dtype == torch.float8_e4m3fn
+    recipe = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_type"]
+    assert "Float8DynamicActivationInt4WeightConfig" in json.dumps(recipe)
+    bad = edited_copy(tmp_path / "b", "int4_plain", metadata=edit_entry(
+        name, lambda e: e["_data"].update(activation_dtype={"_type": "torch.dtype", "_data": "float8_e5m2"})))
+    assert_refused(bad, tmp_path / "b" / "out", repr(name), "activation_dtype", "float8_e4m3fn")
 
 
 def test_int4_codes_labelled_with_a_narrower_bit_width_are_refused(tmp_path):

@@ -13,7 +13,8 @@ import torch
 import hf_aoq
 from hf_aoq import (AOQConfig, Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig, FqnToConfig,
                     Int4DQWeightOnlyConfig, Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
-                    Int8WeightOnlyConfig)
+                    Int8WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig,
+                    Float8StaticActivationFloat8WeightConfig)
 from hf_aoq.cli import main as cli_main
 from hf_aoq.convert import compressed_tensors as ct
 from hf_aoq.core.granularity import PerTensor
@@ -244,6 +245,9 @@ def _leftovers(parent: Path) -> list[str]:
     (Int4WeightOnlyConfig(group_size=256, symmetric=True), "partial group of 128"),
     (Int4WeightOnlyConfig(group_size=32), "zero points are integers"),  # asymmetric, float zeros
     (Float8WeightOnlyConfig(weight_dtype=torch.float8_e5m2), "e4m3fn"),
+    # Activation-quantized weights are not exported as weight-only ones (were: int4 silently so).
+    (Int8DynamicActivationInt4WeightConfig(), "activations quantized to torch.int8 per token"),
+    (Float8StaticActivationFloat8WeightConfig(scale=0.01), "static activation scale"),
 ])
 def test_not_exact_is_refused_by_name_and_nothing_written(float_dir, tmp_path, capsys, recipe, why):
     src = quantized(float_dir, tmp_path, recipe)

@@ -147,7 +147,9 @@ from hf_aoq.kernels import cpu_ext, select_kernel
 torch.manual_seed(0)
 w = torch.randn(96, 384) * 0.05
 weights = {"int4": Int4Tensor.from_float(w.bfloat16(), 128).place(), "int4dq": Int4DQTensor.from_float(w, 32).place(),
-           "int8": Int8Tensor.from_float(w), "fp8": Float8Tensor.from_float(w)}
+           "int8": Int8Tensor.from_float(w), "fp8": Float8Tensor.from_float(w),
+           "int8-int4": Int4Tensor.from_float(w, 32, act_quant="per_token", act_dtype=torch.int8).place(),
+           "int4-int4 asym": Int4Tensor.from_float(w, 128, False, act_quant="per_token", act_dtype=torch.int4).place()}
 out, kernels = {}, {}
 for rows in (1, 2, 5, 12):  # below the bf16-GEMM rows (which the reference test covers)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

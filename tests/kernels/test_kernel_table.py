@@ -58,6 +58,7 @@ TABLE = [
     ("linear", "Int4DQTensor", "cpu_int4dq", "reference"),
     ("linear", "Int4Tensor", "canonical", "triton_int4_gemv"),
     ("linear", "Int4Tensor", "canonical", "reference"),
+    ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int8_int4_ext"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int4_amx_gemm"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int4_ext"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "reference"),
@@ -86,7 +87,7 @@ def test_the_table_is_the_one_place():
 
 def test_each_packing_names_the_kernels_that_read_it():
     reads = {
-        "cpu_int4_pairs": ["cpu_int4_amx_gemm", "cpu_int4_ext"],
+        "cpu_int4_pairs": ["cpu_int8_int4_ext", "cpu_int4_amx_gemm", "cpu_int4_ext"],
         "cpu_int4pack": ["cpu_int4pack_mm"],
         "cpu_int4dq": ["cpu_int4dq_amx_gemm", "cpu_int4dq_ext"],
         "cpu_int8_aligned": ["cpu_int8_amx_gemm", "cpu_int8_ext", "cpu_int8pack_mm"],

@@ -50,6 +50,7 @@ RELOAD = textwrap.dedent(
         "int4": hf_aoq.Int4WeightOnlyConfig(32),
         "fp8": hf_aoq.Float8WeightOnlyConfig(),
         "int4dq": hf_aoq.Int4DQWeightOnlyConfig(32),
+        "int8_int4": hf_aoq.Int8DynamicActivationInt4WeightConfig(),
     }
     # Odd sizes put codes at unaligned offsets in the file; K = 50 is not a multiple of the 16
     # bfloat16 values aten's int8 kernel reads at a time, nor of the int4 group size.
@@ -87,7 +88,7 @@ def test_reloaded_checkpoints_run_forward_without_the_extension(tmp_path):
         chosen.setdefault(name, set()).add(kernel)
     # aten's kernels ran where they can (and the reference where they cannot: K = 50 in bf16).
     assert chosen["int8"] == chosen["int8_dynamic"] == {"cpu_int8pack_mm", "reference"}
-    assert chosen["int4"] == {"cpu_int4pack_mm", "reference"}
+    assert chosen["int4"] == chosen["int8_int4"] == {"cpu_int4pack_mm", "reference"}
     assert chosen["fp8"] == chosen["int4dq"] == {"reference"}
 
 
@@ -134,6 +135,8 @@ MODULES = [
     ["kernels/test_cpu_kernels.py"],
     ["tensors/test_tensors.py"],
     ["tensors/test_int4dq.py"],
+    ["tensors/test_act_variants.py"],
+    ["kernels/test_int8_int4_kernels.py"],
     ["quantize/test_quantize.py", "-k", "compile_matches_eager and Int8"],  # Inductor on aten's int8 kernel
 ]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ...configs import AOQBaseConfig, FqnToConfig, recipe_from_dict, recipe_to_dict
+from ...configs import AOQBaseConfig, Float8StaticActivationFloat8WeightConfig, FqnToConfig, recipe_from_dict, recipe_to_dict
 from ...core.errors import AOQError, FormatError
 
 QUANT_METHOD = "aoq"
@@ -42,7 +42,9 @@ class AOQConfig(QuantizationConfigMixin):
     dequantize               load an "aoq" checkpoint as a float model (quant_type may be None)
     calibration              a UTF-8 text file: load the float weights, then choose every int4
                              linear weight by GPTQ on its first `calibration_tokens` tokens
-                             (hf_aoq.calibration); slower, and the float model is in memory once
+                             (hf_aoq.calibration), and the activation scale of every
+                             Float8StaticActivationFloat8WeightConfig without one (which needs
+                             it); slower, and the float model is in memory once
     calibration_tokens       how many tokens of `calibration` to use (default 2048)
     """
 
@@ -88,6 +90,9 @@ class AOQConfig(QuantizationConfigMixin):
         if calibration is not None and untie_embedding_weights:
             raise AOQError("AOQConfig: calibration with untie_embedding_weights is not supported; untie before saving "
                            "the float checkpoint, or quantize without calibration")
+        if calibration is None and not dequantize and _static_scale_missing(quant_type):
+            raise AOQError("AOQConfig: Float8StaticActivationFloat8WeightConfig.scale is None and there is no "
+                           "calibration; give scale=<a positive number> or calibration=<a text file>")
         self.calibration = None if calibration is None else os.fspath(calibration)
         self.calibration_tokens = calibration_tokens
         self.quant_method = QUANT_METHOD
@@ -200,3 +205,9 @@ def _one_of_two_names(new: bool | None, old: bool | None) -> bool:
     return False if value is None else value
 
 
+
+
+def _static_scale_missing(quant_type) -> bool:
+    """Whether a static float8 config in `quant_type` waits for calibration to choose its scale."""
+    configs = quant_type.mapping.values() if isinstance(quant_type, FqnToConfig) else (quant_type,)
+    return any(isinstance(c, Float8StaticActivationFloat8WeightConfig) and c.scale is None for c in configs)

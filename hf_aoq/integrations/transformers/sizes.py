@@ -1,9 +1,11 @@
 """What a planned weight will occupy once quantized, measured on a small probe before loading."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ...configs import AOQBaseConfig
+from ...configs import AOQBaseConfig, Float8StaticActivationFloat8WeightConfig
 from ...core.errors import AOQError
 
 _PROBE_ROWS = 256
@@ -20,6 +22,8 @@ def _quantized_nbytes(cfg: AOQBaseConfig, shape: tuple[int, int], dtype: torch.d
     """
     n, k = shape
     gen = torch.Generator().manual_seed(0)
+    if isinstance(cfg, Float8StaticActivationFloat8WeightConfig) and cfg.scale is None:
+        cfg = dataclasses.replace(cfg, scale=1.0)  # calibration chooses it later; the size is the same
 
     def measure(rows: int) -> int:
         # transformers builds the model under torch.device("meta"); the probe must be real.

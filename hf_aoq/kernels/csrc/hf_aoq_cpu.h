@@ -14,6 +14,11 @@ torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k);
 torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size, int64_t k,
                                   torch::ScalarType dtype);
 
+// int8_int4.cpp: Int4Tensor with integer (int8 or int4) activation codes, F.linear in one call.
+torch::Tensor int8_int4_linear_io(torch::Tensor codes, torch::Tensor act_scale, torch::Tensor packed,
+                                  torch::Tensor scale_zero, int64_t group_size, int64_t k,
+                                  c10::optional<torch::Tensor> bias, torch::ScalarType dtype);
+
 // int4dq.cpp: Int4DQTensor on the pairs layout.
 torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations);

@@ -3,36 +3,11 @@
 // the canonical codes into that layout.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <algorithm>
-#include <type_traits>
 
 #include "hf_aoq_cpu.h"
 #include "int4_pairs.h"
-
-namespace {
-
-template <typename T>
-inline float as_float(T v) { return static_cast<float>(v); }
-
-// The int4 kernels' parameter provider (int4_pairs.h) for Int4Tensor: scale and zero from
-// scale_zero [groups, N, 2], offset 8.
-template <typename T>
-struct ScaleZeroParams {
-  static constexpr float offset = 8.f;
-  const T* sz;
-  int64_t N;
-  void operator()(int64_t g, int64_t n0, int64_t rows, float* s, float* z) const {
-    const T* p = sz + (g * N + n0) * 2;
-    for (int64_t r = 0; r < rows; ++r) {
-      s[r] = as_float(p[2 * r]);
-      z[r] = as_float(p[2 * r + 1]);
-    }
-  }
-};
-
-}  // namespace
+#include "int4_scale_zero.h"
 
 // x: float32 [M, K] contiguous, K a multiple of group_size; packed: uint8 [N, K/2] in the pairs
 // layout (int4_repack_pairs); scale_zero: [K/group_size, N, 2] float32, bfloat16 or float16.
@@ -44,23 +19,10 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() * 2 == N * K,
               "packed: contiguous uint8 [N, K/2]");
-  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "K must be a multiple of an even group_size");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == K / group_size && scale_zero.size(1) == N &&
-                  scale_zero.size(2) == 2 && scale_zero.is_contiguous(),
-              "scale_zero: contiguous [K/group_size, N, 2]");
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  auto run = [&](auto* sz) {
-    const ScaleZeroParams<std::remove_const_t<std::remove_pointer_t<decltype(sz)>>> params{sz, N};
-    int4_linear(x, w, params, y, N, group_size, gemv_max_rows, int16_activations);
-  };
-  switch (scale_zero.scalar_type()) {
-    case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
-    case torch::kBFloat16: run(scale_zero.data_ptr<c10::BFloat16>()); break;
-    case torch::kFloat16: run(scale_zero.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "scale_zero: float32, bfloat16 or float16");
-  }
+  with_scale_zero(scale_zero, N, K, group_size,
+                  [&](const auto& params) { int4_linear(x, w, params, y, N, group_size, gemv_max_rows, int16_activations); });
   return y;
 }
 
@@ -71,23 +33,10 @@ torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero
                                   torch::ScalarType dtype) {
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(), "packed: contiguous uint8 [N, K/2]");
-  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "K must be a multiple of an even group_size");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == K / group_size && scale_zero.size(1) == N &&
-                  scale_zero.size(2) == 2 && scale_zero.is_contiguous(),
-              "scale_zero: contiguous [K/group_size, N, 2]");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   torch::Tensor out;
-  auto run = [&](auto* sz) {
-    const ScaleZeroParams<std::remove_const_t<std::remove_pointer_t<decltype(sz)>>> params{sz, N};
-    out = int4_dequant_weight(w, params, N, K, group_size, k, dtype);
-  };
-  switch (scale_zero.scalar_type()) {
-    case torch::kFloat32: run(scale_zero.data_ptr<float>()); break;
-    case torch::kBFloat16: run(scale_zero.data_ptr<c10::BFloat16>()); break;
-    case torch::kFloat16: run(scale_zero.data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "scale_zero: float32, bfloat16 or float16");
-  }
+  with_scale_zero(scale_zero, N, K, group_size,
+                  [&](const auto& params) { out = int4_dequant_weight(w, params, N, K, group_size, k, dtype); });
   return out;
 }
 

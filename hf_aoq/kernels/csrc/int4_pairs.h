@@ -394,14 +394,14 @@ __attribute__((always_inline)) inline void int4_epilogue16(const float* s, const
 }
 #endif
 
-// y = x W^T for half-precision activations, through int16 activation codes (see
-// quantize_rows16 and the top of this file). Per block of 32 weight rows, group and activation
-// row: an exact int32 sum of code products, then the group's float32 epilogue as the vector
-// code computes it (the scalar code for a 16-row tail block does the same operations).
+// y = x W^T for activations given as int16 codes (xq: from quantize_rows16, or an
+// activation-quantized weight's int8 codes, int8_int4.cpp). Per block of 32 weight rows, group
+// and activation row: an exact int32 sum of code products, then the group's float32 epilogue as
+// the vector code computes it (the scalar code for a 16-row tail block does the same operations).
 template <class P>
-void int4_linear16(const float* x, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
+void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N,
+                       int64_t K, int64_t gs) {
   const int64_t G = K / gs;
-  const Int16Rows xq = quantize_rows16(x, M, K, gs);
   const int64_t NB = (N + BLOCK_N - 1) / BLOCK_N;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> out(M * BLOCK_N);
@@ -462,6 +462,13 @@ void int4_linear16(const float* x, const uint8_t* w, const P& params, float* y, 
       for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, out.data() + m * BLOCK_N, rows * sizeof(float));
     }
   });
+}
+
+// y = x W^T for half-precision activations, through int16 activation codes (see
+// quantize_rows16 and the top of this file).
+template <class P>
+void int4_linear16(const float* x, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K, int64_t gs) {
+  int4_linear_codes(quantize_rows16(x, M, K, gs), w, params, y, M, N, K, gs);
 }
 
 // W^T for rows [n0, n1) (block aligned) as float32 [K, n1 - n0]: (q - offset) * s + z (for
