@@ -95,6 +95,15 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     out.append(("hf_aoq mxfp4 reference", lambda: reference.reference_linear(x, mx4, None)))
     q4g32 = Int4Tensor.from_float(w.to(dtype), 32).place()
     out.append(("hf_aoq int4 g32 F.linear", lambda: F.linear(x, q4g32)))
+    if ext is not None and hasattr(ext, "intx_linear_io"):  # IntxTensor's fields: any bytes are valid codes
+        from hf_aoq.kernels import cpu_intx
+
+        gen = torch.Generator().manual_seed(0)
+        for bits in (2, 3, 4, 8):
+            qb = torch.randint(0, 256, (n, -(-k * bits // 8)), generator=gen, dtype=torch.uint8)
+            sb, zb = ((torch.rand(n, -(-k // 32), generator=gen) * 0.01).to(dtype) for _ in range(2))
+            out.append((f"hf_aoq intx{bits} g32 asym kernel",
+                        lambda qb=qb, sb=sb, zb=zb, bits=bits: cpu_intx.intx_linear(x, qb, sb, zb, bits, 32, k)))
     if dtype == torch.float16:
         w_fp16 = w.half()
         out.insert(2, ("dense fp16", lambda: F.linear(x, w_fp16)))

@@ -425,3 +425,5 @@ def int4dq_ext_linear(x, w, bias):
 from . import cpu_gemm  # noqa: E402,F401
 # MXFP4 weight-only at few rows (csrc/mx.cpp).
 from . import cpu_mx  # noqa: E402,F401
+# IntxTensor (1-8 bit codes) at any rows (csrc/intx.cpp).
+from . import cpu_intx  # noqa: E402,F401

@@ -75,6 +75,8 @@ TABLE = [
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_ext"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8pack_mm"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "reference"),
+    ("linear", "IntxTensor", "canonical", "cpu_intx_amx_gemm"),
+    ("linear", "IntxTensor", "canonical", "cpu_intx_ext"),
     ("linear", "IntxTensor", "canonical", "reference"),
     ("linear", "MXTensor", "canonical", "cpu_mxfp4_gemv"),
     ("linear", "MXTensor", "canonical", "reference"),

@@ -43,6 +43,13 @@ torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t s
 torch::Tensor mxfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t k,
                               c10::optional<torch::Tensor> bias);
 
+// intx.cpp: IntxTensor (1-8 bit codes, canonical bit streams), F.linear in one call.
+torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
+                             int64_t bits, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
+                             int64_t gemv_max_rows, bool int8_activations);
+torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t bits,
+                              int64_t group_size, int64_t k, torch::ScalarType dtype);
+
 // linear_io.cpp: F.linear(x, weight, bias) per format in one call.
 torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                                  int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);

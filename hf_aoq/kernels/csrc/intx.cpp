@@ -1,0 +1,450 @@
+// IntxTensor's CPU kernels (1-8 bit codes, canonical layout: per row a little-endian bit stream,
+// the code of column k at stream bits [k*b, (k+1)*b)): F.linear in one call, and the weight
+// dequantized exactly as the reference does it.
+//
+// Few rows: an integer GEMV that decodes the packed codes in registers, so that the bytes read
+// per weight are b/8 (what fewer bits are for at batch 1). The activations become int16 codes:
+// per row and sub-group of `a` columns (a = g for g <= 256, else 256) with int4_pairs.h's
+// quantize_rows16 (weight-only: within 1/65534 of the sub-group's largest |x|), or Int8Tensor's
+// per-token int8 codes (act_quant "per_token", exactly as its quantize_input: the same
+// products as the reference, whose activation is then rounded to x's dtype). The codes meet in
+// vpmaddwd (AVX-512 VNNI: vpdpwssd), exact int32 sums, then float32 scaling:
+//   y[m, n] = sum_j s[n, g(j)] * sx[m, j] * isum_j + sum_j (z - o * s)[n, g(j)] * xs[m, j],
+// o = 2^(b-1), xs = sx * (sum of the sub-group's activation codes).
+//
+// Decoding. A block is 32 * P columns, P = codes per 16-bit lane (b = 1, 2, 3, 4, 5, 6, 7, 8:
+// P = 16, 8, 4, 4, 2, 2, 1, 2): its 4 * P * b bytes fill 32 16-bit lanes, lane L holding the
+// codes of columns P * L .. P * L + P - 1 with code P * L + t at bits BASE + t * b (BASE =
+// 16 - P * b), so that code t of every lane is one shift and one mask away. For b = 1, 2, 4, 8
+// the bytes are the lanes as loaded (codes never straddle 16 bits); for 3, 5, 6, 7 each 128-bit
+// quarter gathers its P * b bytes with a dword permute and a byte shuffle, two bytes per lane,
+// and a 16-bit multiply by 2^(BASE - offset) moves each lane's codes to the same bits. The
+// activation codes are permuted once per call to match (vector t of a block holds the codes of
+// columns P * L + t). Pairs of lanes (2P columns, never across a sub-group) add into one int32
+// lane; a sub-group's int32 lanes are scaled in float32 (one broadcast, or per lane where a
+// block spans several sub-groups). 32 lanes are one zmm in the AVX-512 build and two ymm in the
+// AVX2 build, with the same lane order and the same float32 operations: both give the same
+// outputs bit for bit.
+//
+// Many rows: chunks of the weight dequantized to float32 exactly as the reference and float32
+// GEMM (dequant_gemm.h); intx_dequantize gives the weight in bf16/fp16/fp32 for aten's GEMM.
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "hf_aoq_cpu.h"
+#include "int4_pairs.h"   // quantize_rows16 (int16 activation codes), dequant_gemm.h
+#include "intx_decode.h"  // Layout, Spread, block_dots: the decoding in registers
+#include "simd.h"
+
+namespace {
+
+// The value of column k's code in a row's stream.
+template <int B>
+inline int code_of(const uint8_t* row, int64_t k) {
+  const int64_t bit = k * B, byte = bit >> 3;
+  const int sh = static_cast<int>(bit & 7);
+  uint32_t w = row[byte];
+  if (sh + B > 8) w |= uint32_t(row[byte + 1]) << 8;
+  return static_cast<int>((w >> sh) & ((1u << B) - 1));
+}
+
+// A row of `n` scales (or zeros) of dtype `t` as float32.
+inline void row_to_float(const void* src, torch::ScalarType t, float* dst, int64_t n) {
+  int64_t i = 0;
+  if (t == torch::kFloat32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  if (t == torch::kBFloat16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+#if defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+#endif
+    for (; i < n; ++i) {
+      const uint32_t b = uint32_t(s[i]) << 16;
+      std::memcpy(dst + i, &b, 4);
+    }
+    return;
+  }
+  const c10::Half* h = static_cast<const c10::Half*>(src);
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(h[i]);
+}
+
+// The weight's fields as the kernels read them.
+struct IntxWeight {
+  const uint8_t* q;
+  int64_t N, K, row_bytes, G, g;  // G: scale columns, g: group size
+  const void* scale;
+  const void* zero;  // null: symmetric
+  torch::ScalarType dtype;
+};
+
+// Rows [n0, n1) as float32 [n1 - n0, K]: (q - o) * s (+ z), as the reference, in float32.
+template <int B>
+struct IntxRows {
+  const IntxWeight& w;
+  void operator()(int64_t n0, int64_t n1, float* buf) const {
+    const float off = float(1 << (B - 1));
+    std::vector<float> s(w.G), z(w.G);
+    const int64_t esz = w.dtype == torch::kFloat32 ? 4 : 2;
+    for (int64_t n = n0; n < n1; ++n) {
+      row_to_float(static_cast<const char*>(w.scale) + n * w.G * esz, w.dtype, s.data(), w.G);
+      if (w.zero) row_to_float(static_cast<const char*>(w.zero) + n * w.G * esz, w.dtype, z.data(), w.G);
+      const uint8_t* row = w.q + n * w.row_bytes;
+      float* o = buf + (n - n0) * w.K;
+      for (int64_t k0 = 0; k0 < w.K; k0 += w.g) {
+        const int64_t k1 = std::min(w.K, k0 + w.g), gi = k0 / w.g;
+        const float sg = s[gi], zg = z[gi];
+        int64_t k = k0;
+        for (; k < k1 && (k & 7); ++k) o[k] = (float(code_of<B>(row, k)) - off) * sg;
+        for (; k + 8 <= k1; k += 8) {  // eight codes are exactly B bytes
+          uint64_t v = 0;
+          std::memcpy(&v, row + k / 8 * B, B);
+          for (int i = 0; i < 8; ++i) o[k + i] = (float((v >> (B * i)) & ((1u << B) - 1)) - off) * sg;
+        }
+        for (; k < k1; ++k) o[k] = (float(code_of<B>(row, k)) - off) * sg;
+        if (w.zero)
+          for (int64_t j = k0; j < k1; ++j) o[j] = o[j] + zg;
+      }
+    }
+  }
+};
+
+template <class F>
+void dispatch_bits(int64_t bits, F f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    case 7: f(std::integral_constant<int, 7>()); break;
+    case 8: f(std::integral_constant<int, 8>()); break;
+    default: TORCH_CHECK(false, "bits: 1..8, got ", bits);
+  }
+}
+
+// Activation codes for the GEMV: int16 codes [M, Kx] with the sums of int4_pairs.h's Int16Rows
+// (sx, xs per row and sub-group of `a` columns, NS of them), the codes permuted per block.
+struct Acts {
+  std::vector<int16_t> xp;   // [M, Kx], permuted
+  std::vector<float> sx, xs; // [M, NSp], zero past NS
+  int64_t Kx, NS, NSp, a;
+};
+
+// The sub-group size for groups of g columns: g for g = 32, 64, 128, 256, else 256 (where g is a
+// multiple of 256, or one group covers the row: gemv_supports).
+inline bool small_group(int64_t g) { return g == 32 || g == 64 || g == 128 || g == 256; }
+inline int64_t sub_group(int64_t g) { return small_group(g) ? g : 256; }
+inline bool gemv_supports(int64_t g, int64_t K) { return small_group(g) || g % 256 == 0 || g >= K; }
+
+// Int8Tensor's per-token activation codes of one row (kernels/common.py's
+// quantize_int8_per_token, the same float32 operations): scale = max(amax / 127, 1e-12), code =
+// clamp(round(x / scale), -127, 127) into c[0..K). Returns the scale (NaN for a row holding NaN,
+// whose codes are then 0).
+inline float int8_codes(const float* x, int64_t K, int16_t* c) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t k = 0; k < K; ++k) {
+    amax = std::max(amax, std::fabs(x[k]));
+    nan = nan || std::isnan(x[k]);
+  }
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  const float scale = std::max(amax / 127.f, 1e-12f);
+  for (int64_t k = 0; k < K; ++k) c[k] = static_cast<int16_t>(std::min(std::max(std::nearbyint(x[k] / scale), -127.f), 127.f));
+  return scale;
+}
+
+// x: float32 [M, K]. int8: Int8Tensor's per-token codes (scale = max(amax / 127, 1e-12), code =
+// clamp(round(x / scale), -127, 127)), else int16 codes per sub-group (quantize_rows16).
+Acts make_acts(const float* x, int64_t M, int64_t K, int64_t a, int64_t block, bool int8) {
+  Acts r;
+  r.a = a;
+  const int64_t L = std::max(a, block);
+  r.Kx = (K + L - 1) / L * L;
+  const int64_t NSx = r.Kx / a;
+  r.NS = (K + a - 1) / a;
+  r.NSp = (r.NS + 15) / 16 * 16;
+  std::vector<int16_t> codes;
+  std::vector<float> sx(M * NSx), xs(M * NSx);
+  if (!int8) {
+    std::vector<float> xpad(M * r.Kx, 0.f);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * r.Kx, x + m * K, K * sizeof(float));
+    Int16Rows q = quantize_rows16(xpad.data(), M, r.Kx, a);
+    codes = std::move(q.codes);
+    sx = std::move(q.sx);
+    xs = std::move(q.xs);
+  } else {
+    codes.assign(M * r.Kx, 0);
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* c = codes.data() + m * r.Kx;
+      const float scale = int8_codes(x + m * K, K, codes.data() + m * r.Kx);
+      for (int64_t j = 0; j < NSx; ++j) {
+        int32_t total = 0;
+        for (int64_t k = j * a; k < (j + 1) * a; ++k) total += c[k];
+        sx[m * NSx + j] = scale;
+        xs[m * NSx + j] = float(total) * scale;
+      }
+    }
+  }
+  r.sx.assign(M * r.NSp, 0.f);
+  r.xs.assign(M * r.NSp, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < r.NS; ++j) {
+      r.sx[m * r.NSp + j] = sx[m * NSx + j];
+      r.xs[m * r.NSp + j] = xs[m * NSx + j];
+    }
+  // Per block of `block` columns, P = block / 32 vectors of 32 codes: vector t, lane L <- column P * L + t.
+  const int64_t P = block / 32;
+  r.xp.resize(M * r.Kx);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b0 = 0; b0 < r.Kx; b0 += block) {
+      const int16_t* s = codes.data() + m * r.Kx + b0;
+      int16_t* d = r.xp.data() + m * r.Kx + b0;
+      for (int64_t t = 0; t < P; ++t)
+        for (int64_t l = 0; l < 32; ++l) d[t * 32 + l] = s[P * l + t];
+    }
+  return r;
+}
+
+#if defined(__AVX2__)
+
+// Dot products of weight row `row` with MB activation rows (codes xp[i], per-sub-group scales
+// t[i] = s * sx), as float32 vector sums in `out` (before the zero term).
+template <int B, int MB>
+void row_dots(const Spread<B>& sp, const LaneScale& ls, const uint8_t* row, const uint8_t* qend, int64_t K, int64_t a,
+              const int16_t* const* xp, const float* const* t, float* out) {
+  using Lay = Layout<B>;
+  constexpr int64_t BLK = Lay::BLOCK, BYTES = 4 * Lay::P * B;
+  const int64_t NB = (K + BLK - 1) / BLK;
+  alignas(64) uint8_t tail[Lay::READ];
+  auto block_ptr = [&](int64_t b) -> const uint8_t* {
+    const uint8_t* p = row + b * BYTES;
+    if (p + Lay::READ <= qend) return p;
+    std::memset(tail, 0, sizeof tail);
+    std::memcpy(tail, p, size_t(std::max<int64_t>(0, std::min<int64_t>(Lay::READ, qend - p))));
+    return tail;
+  };
+  vfloat f[MB];
+  for (int i = 0; i < MB; ++i) f[i] = vzero();
+  const auto seq = std::make_integer_sequence<int, Lay::P>();
+  if (a >= BLK) {  // whole blocks per sub-group: int32 sums over the sub-group, one broadcast scale
+    const int64_t spb = a / BLK, NS = (NB + spb - 1) / spb;
+    for (int64_t j = 0; j < NS; ++j) {
+      vi32 acc[MB];
+      for (int i = 0; i < MB; ++i) acc[i] = izero();
+      for (int64_t b = j * spb; b < std::min(NB, (j + 1) * spb); ++b) {
+        const vi16 v = sp.load(block_ptr(b));
+        const int16_t* xs[MB];
+        for (int i = 0; i < MB; ++i) xs[i] = xp[i] + b * BLK;
+        block_dots<B, MB>(v, xs, acc, seq);
+      }
+      for (int i = 0; i < MB; ++i) f[i] = vfma(to_vfloat(acc[i]), vbroadcast(t[i][j]), f[i]);
+    }
+  } else {  // several sub-groups per block: each int32 lane scaled by its own
+    const int64_t spb = BLK / a;
+    for (int64_t b = 0; b < NB; ++b) {
+      vi32 acc[MB];
+      for (int i = 0; i < MB; ++i) acc[i] = izero();
+      const vi16 v = sp.load(block_ptr(b));
+      const int16_t* xs[MB];
+      for (int i = 0; i < MB; ++i) xs[i] = xp[i] + b * BLK;
+      block_dots<B, MB>(v, xs, acc, seq);
+      for (int i = 0; i < MB; ++i) f[i] = vfma(to_vfloat(acc[i]), ls.get(t[i] + b * spb), f[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) out[i] = vsum(f[i]);
+}
+
+#if HF_AOQ_INTX_ZMM
+constexpr int kMaxTile = 4;
+#else
+constexpr int kMaxTile = 2;
+#endif
+
+// y [M, N] float32 = x W^T through the integer GEMV.
+template <int B>
+void intx_gemv(const IntxWeight& w, const Acts& xa, int64_t M, float* y) {
+  using Lay = Layout<B>;
+  static const Spread<B> sp;
+  const int64_t K = w.K, a = xa.a, NS = xa.NS, NSp = xa.NSp;
+  const int64_t NB = (K + Lay::BLOCK - 1) / Lay::BLOCK;
+  const int64_t spb_lanes = a < Lay::BLOCK ? Lay::BLOCK / a : 1;
+  const int64_t tlen = std::max(NSp, NB * spb_lanes) + 16;
+  LaneScale ls{};
+  if (a < Lay::BLOCK) {
+    for (int j = 0; j < 16; ++j) ls.idx[j] = static_cast<int32_t>(2 * Lay::P * j / a);
+    ls.h = 16 * Lay::P / a;
+  }
+  std::vector<int64_t> group_of(NS);  // the weight group of each sub-group
+  for (int64_t j = 0; j < NS; ++j) group_of[j] = j * a / w.g;
+  const float off = float(1 << (B - 1));
+  const uint8_t* qend = w.q + w.N * w.row_bytes;
+  const int64_t esz = w.dtype == torch::kFloat32 ? 4 : 2;
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
+    const int64_t GP = std::max(w.G, NSp);
+    std::vector<float> sg(GP, 0.f), zg(GP, 0.f), ss(NSp, 0.f), zs(NSp, 0.f), tb(kMaxTile * tlen, 0.f);
+    const bool same = a == w.g;  // sub-groups are the weight's groups (then G == NS)
+    for (int64_t n = n0; n < n1; ++n) {
+      row_to_float(static_cast<const char*>(w.scale) + n * w.G * esz, w.dtype, sg.data(), w.G);
+      if (w.zero) row_to_float(static_cast<const char*>(w.zero) + n * w.G * esz, w.dtype, zg.data(), w.G);
+      // Per sub-group: the scale and the zero term's factor z - o * s.
+      if (same) {
+        for (int64_t j = 0; j < NSp; ++j) zs[j] = zg[j] - off * sg[j];
+      } else {
+        for (int64_t j = 0; j < NS; ++j) {
+          const int64_t gi = group_of[j];
+          ss[j] = sg[gi];
+          zs[j] = zg[gi] - off * sg[gi];
+        }
+      }
+      const float* sc = same ? sg.data() : ss.data();
+      const uint8_t* row = w.q + n * w.row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMaxTile, M - m0));
+        const int16_t* xp[kMaxTile];
+        const float* tp[kMaxTile];
+        float d[kMaxTile], zt[kMaxTile];
+        for (int i = 0; i < mb; ++i) {
+          const int64_t m = m0 + i;
+          xp[i] = xa.xp.data() + m * xa.Kx;
+          float* ti = tb.data() + i * tlen;
+          const float* sxm = xa.sx.data() + m * NSp;
+          for (int64_t j = 0; j < NSp; ++j) ti[j] = sc[j] * sxm[j];
+          tp[i] = ti;
+          vfloat z = vzero();
+          const float* xsm = xa.xs.data() + m * NSp;
+          for (int64_t j = 0; j < NSp; j += kLanes) z = vfma(vload(zs.data() + j), vload(xsm + j), z);
+          zt[i] = vsum(z);
+        }
+        switch (mb) {
+#if HF_AOQ_INTX_ZMM
+          case 4: row_dots<B, 4>(sp, ls, row, qend, K, a, xp, tp, d); break;
+          case 3: row_dots<B, 3>(sp, ls, row, qend, K, a, xp, tp, d); break;
+#endif
+          case 2: row_dots<B, 2>(sp, ls, row, qend, K, a, xp, tp, d); break;
+          default: row_dots<B, 1>(sp, ls, row, qend, K, a, xp, tp, d); break;
+        }
+        for (int i = 0; i < mb; ++i) y[(m0 + i) * w.N + n] = d[i] + zt[i];
+      }
+    }
+  });
+}
+#endif  // __AVX2__
+
+IntxWeight check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
+                        int64_t bits, int64_t group_size, int64_t k) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, "bits: 1..8, got ", bits);
+  TORCH_CHECK(k > 0 && group_size > 0, "k and group_size must be positive");
+  const int64_t row_bytes = (k * bits + 7) / 8, G = (k + group_size - 1) / group_size;
+  TORCH_CHECK(qdata.dtype() == torch::kUInt8 && qdata.dim() == 2 && qdata.size(1) == row_bytes && qdata.is_contiguous(),
+              "qdata: contiguous uint8 [N, ", row_bytes, "], got ", qdata.dtype(), " ", qdata.sizes());
+  const int64_t N = qdata.size(0);
+  const auto st = scale.scalar_type();
+  TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kFloat16,
+              "scale: float32, bfloat16 or float16");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == G && scale.is_contiguous(),
+              "scale: contiguous [", N, ", ", G, "], got ", scale.sizes());
+  const bool has_zero = zero.has_value() && zero->defined();
+  if (has_zero)
+    TORCH_CHECK(zero->scalar_type() == st && zero->sizes() == scale.sizes() && zero->is_contiguous(),
+                "zero: contiguous, scale's shape and dtype");
+  return IntxWeight{qdata.data_ptr<uint8_t>(), N, k, row_bytes, G, group_size, scale.data_ptr(),
+                    has_zero ? zero->data_ptr() : nullptr, st};
+}
+
+}  // namespace
+
+// F.linear(x, IntxTensor weight, bias): x float32 / bfloat16 / float16 [..., k]; qdata uint8 [N,
+// ceil(k * bits / 8)] (the canonical bit streams); scale and zero (optional) [N, ceil(k /
+// group_size)] of one float dtype; bias optional [N]. int8_activations: Int8Tensor's per-token
+// int8 activations (act_quant "per_token"). At up to gemv_max_rows rows (and a group size the
+// GEMV takes: 32, 64, 128, 256, a multiple of 256, or k), the integer GEMV; else the weight
+// dequantized in float32 chunks and float32 GEMM. Computed in float32, bias added in float32,
+// returned in x's dtype as [..., N].
+torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
+                             int64_t bits, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
+                             int64_t gemv_max_rows, bool int8_activations) {
+  const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, k);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x: expected [..., ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
+                  x.scalar_type() == torch::kFloat16,
+              "x: float32, bfloat16 or float16");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) TORCH_CHECK(bias->numel() == w.N, "bias: expected ", w.N, " values, got ", bias->numel());
+  auto x2 = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
+  const int64_t M = x2.size(0), N = w.N;
+  auto y = torch::empty({M, N}, x2.options());
+  if (M > 0) {
+    bool done = false;
+#if defined(__AVX2__)
+    if (M <= gemv_max_rows && gemv_supports(group_size, k)) {
+      dispatch_bits(bits, [&](auto bc) {
+        constexpr int B = decltype(bc)::value;
+        const Acts xa = make_acts(x2.data_ptr<float>(), M, k, sub_group(group_size), Layout<B>::BLOCK, int8_activations);
+        intx_gemv<B>(w, xa, M, y.data_ptr<float>());
+      });
+      done = true;
+    }
+#endif
+    if (!done) {
+      if (int8_activations) {  // the activation the integer kernel sees: codes * scale, in float32
+        auto xq = torch::empty({M, k}, x2.options());
+        std::vector<int16_t> c(k);
+        for (int64_t m = 0; m < M; ++m) {
+          std::fill(c.begin(), c.end(), int16_t(0));
+          const float scale = int8_codes(x2.data_ptr<float>() + m * k, k, c.data());
+          for (int64_t j = 0; j < k; ++j) xq.data_ptr<float>()[m * k + j] = float(c[j]) * scale;
+        }
+        x2 = xq;
+      }
+      dispatch_bits(bits, [&](auto bc) {
+        constexpr int B = decltype(bc)::value;
+        dequant_gemm(x2, y, N, k, 1, /*transposed=*/false, IntxRows<B>{w});
+      });
+    }
+  }
+  if (has_bias) y.add_(bias->reshape({N}).to(torch::kFloat32));
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.to(x.scalar_type()).view(sizes);
+}
+
+// The weight [N, k] in dtype (float32, bfloat16 or float16), bit for bit the reference's
+// dequantize(dtype): (q - 2^(bits-1)) * scale (+ zero) in float32, rounded once.
+torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t bits,
+                              int64_t group_size, int64_t k, torch::ScalarType dtype) {
+  const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, k);
+  torch::Tensor out;
+  dispatch_bits(bits, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    const IntxRows<B> rows{w};
+    if (dtype == torch::kFloat32) {
+      out = torch::empty({w.N, k}, torch::TensorOptions().dtype(torch::kFloat32));
+      float* o = out.data_ptr<float>();
+      at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { rows(n0, n1, o + n0 * k); });
+    } else {
+      out = dequant_weight(w.N, k, k, 1, /*transposed=*/false, dtype, rows);
+    }
+  });
+  return out;
+}
