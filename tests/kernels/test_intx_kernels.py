@@ -262,3 +262,27 @@ def test_avx512_build_gives_the_avx2_builds_outputs(tmp_path):
     assert avx2["isa"] == "avx2" and avx512["isa"] == "avx512" and avx2["file"] != avx512["file"]
     for key in out2:
         assert torch.equal(out2[key], out512[key]), key
+
+
+# ---------------------------------------------------------------------- the real tensor type
+@pytest.mark.parametrize("act_quant", [None, "per_token"])
+@pytest.mark.parametrize("bits,group_size,symmetric", [(1, 32, False), (2, 32, True), (3, 128, False), (4, 64, True),
+                                                       (5, None, True), (6, 256, False), (8, 32, False)])
+def test_intx_tensors_run_the_kernel_and_agree_with_the_reference_kernel(bits, group_size, symmetric, act_quant):
+    # IntxTensor (hf_aoq/tensors/intx.py) through the table: F.linear picks the C++ row at few
+    # rows, and its output is the reference kernel's (dequantize + matmul, the same activation
+    # quantization) within the kernels' tolerance.
+    from hf_aoq import IntxTensor
+
+    gen = torch.Generator().manual_seed(bits)
+    weight = torch.randn(40, 320, generator=gen).to(torch.bfloat16)
+    w = IntxTensor.from_float(weight, bits, group_size, symmetric=symmetric, act_quant=act_quant)
+    reference = next(k for k in registry.kernels_for("linear", "IntxTensor") if k.name == "reference")
+    for rows in (1, 5):
+        x = torch.randn(rows, 320, generator=gen).to(torch.bfloat16)
+        assert registry.select_kernel("linear", x, w).name == "cpu_intx_ext"
+        y, ref = torch.nn.functional.linear(x, w), reference.fn(x, w, None)
+        assert y.dtype == ref.dtype == torch.bfloat16 and y.shape == ref.shape == (rows, 40)
+        bound = x.double().abs() @ w.dequantize(torch.float64).abs().t()
+        tol = (ACT_TOL[act_quant is not None] + 2 * OUT_TOL[torch.bfloat16]) * bound + 1e-30
+        assert ((y.double() - ref.double()).abs() <= tol).all()
