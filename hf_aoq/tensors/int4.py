@@ -1,6 +1,6 @@
 """Int4Tensor: 4-bit weights in groups along the input dimension, asymmetric or symmetric.
 
-Canonical layout (what is saved):
+Canonical layout (what is saved; 3-D fused experts [E, N, K] put E in front of every field):
     qdata   uint8 [N, K/2]         two codes per byte, low nibble = even k
     scale   [N, ceil(K/g)]         in the weight's dtype
     zero    [N, ceil(K/g)] or None the value that code 8 stands for; None = symmetric (zero 0)
@@ -31,6 +31,7 @@ from ..core.primitives import (
 from ..core.registry import register_tensor_type
 from ..kernels.common import INT4_GROUP_SIZES as GROUP_SIZES
 from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
+from .experts import quantize_experts
 
 QMIN, QMAX = 0, 15
 # How scales are chosen unless told otherwise, here and in Int4WeightOnlyConfig: "mse" is the
@@ -60,7 +61,10 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
         """Quantize a float [N, K] weight in groups of `group_size` along K. `qparams` picks how
         each group's scale and zero are chosen: "mse" (default, as Int4WeightOnlyConfig's: the
         least squared reconstruction error; see core.primitives) or "minmax" (the group's range,
-        nothing clips)."""
+        nothing clips). A 3-D [E, N, K] weight (fused experts) is quantized expert by expert."""
+        if getattr(weight, "ndim", 0) == 3:
+            return quantize_experts(cls.from_float, weight, name, group_size=group_size, symmetric=symmetric,
+                                    qparams=qparams)
         check_weight(weight, name)
         if group_size not in GROUP_SIZES:
             raise AOQError(f"{name}: int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
