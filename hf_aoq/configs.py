@@ -8,8 +8,11 @@ by module `M` ("model.layers.0.mlp.down_proj"), first hit wins:
   1. an exact key equal to P                       (any parameter, biases included)
   2. an exact key equal to M                       (M's `weight` only)
   3. the first "re:<regex>" key, in mapping order, that fully matches P; then the first that
-     fully matches M                               (weights of Linear and Embedding modules only)
-  4. "_default"                                    (weights of Linear modules only)
+     fully matches M                               (weights of Linear and Embedding modules, and
+                                                    fused MoE experts, only)
+  4. "_default"                                    (weights of Linear modules, and fused experts)
+Fused experts are the 3-D float parameters of a module that is not a convolution (e.g.
+transformers' `mlp.experts.gate_up_proj` [E, 2I, H]); hf_aoq.quantize decides which those are.
 A hit whose value is None means: leave this parameter as it is. No hit: left as it is too.
 """
 from __future__ import annotations
@@ -458,10 +461,19 @@ class FqnToConfig:
             elif key != "_default":
                 self._exact[key] = cfg
 
-    def resolve(self, param_fqn: str, module_fqn: str, module: nn.Module, param_name: str) -> tuple[bool, Any]:
-        """(hit, config) for one parameter under the precedence in this module's docstring."""
+    def resolve(
+        self, param_fqn: str, module_fqn: str, module: nn.Module, param_name: str, *, experts: bool = False
+    ) -> tuple[bool, Any]:
+        """(hit, config) for one parameter under the precedence in this module's docstring;
+        `experts`: the parameter is a fused MoE experts tensor."""
         if param_fqn in self._exact:
             return True, self._exact[param_fqn]
+        if experts:
+            for name in (param_fqn, module_fqn):
+                for pattern, cfg in self._regexes:
+                    if pattern.fullmatch(name):
+                        return True, cfg
+            return ("_default" in self.mapping), self.mapping.get("_default")
         if param_name != "weight":
             return False, None
         if module_fqn in self._exact:

@@ -11,6 +11,10 @@ parameter `P` of module `M` (docs/transformers.md says the same for users):
      `embeddings` module that no key matches takes "_default". A single config takes the 2-D
      `weight` of every module `filter_fn(M, name)` accepts (default: nn.Linear, and `embeddings`).
      With an FqnToConfig, `filter_fn` (when given) further restricts the modules it reaches.
+Fused MoE experts (`is_fused_experts`: a 3-D float parameter of a module that is not a
+convolution, e.g. transformers' `mlp.experts.gate_up_proj`) count as weights in step 4: a single
+config takes them, FqnToConfig's regexes and "_default" reach them. Routers stay float unless
+named (they are 2-D weights of modules that are not nn.Linear).
 A parameter that is already quantized is left as it is. Parameters that are one tensor (tied
 weights) are planned once: they must all resolve to the same config (or all be left as they
 are), otherwise it is an AOQError; they are never silently untied.
@@ -36,7 +40,7 @@ class Decision:
 
     config: AOQBaseConfig
     shape: tuple[int, ...]  # the parameter's shape when planned: a value of another shape is not it
-    place: bool  # every reader is an nn.Linear: repack (place()) for F.linear's kernels
+    place: bool  # repack (place()) for the kernels: see placed_for_kernels
     tied: tuple[str, ...] = ()  # the tensor's other names, which get the same quantized tensor
 
 
@@ -82,21 +86,41 @@ def reads_only_by_linear(model: nn.Module, names: Iterable[str]) -> bool:
     return all(isinstance(model.get_submodule(_parent(n)[0]), nn.Linear) for n in names)
 
 
+def is_fused_experts(module: nn.Module, param) -> bool:
+    """Whether `param` of `module` is a fused MoE experts weight [E, N, K]: 3-D, floating point,
+    and not a convolution's kernel."""
+    return param.ndim == 3 and param.is_floating_point() and not isinstance(module, nn.modules.conv._ConvNd)
+
+
+def placed_for_kernels(model: nn.Module, names: Iterable[str]) -> bool:
+    """Whether the tensor under `names` is repacked (place()) for the kernels: when linears
+    alone read it, or when it is fused experts [E, out, in] (each expert packed as a linear's
+    weight; an experts module that says `is_transposed`, e.g. gpt-oss's [E, in, out], runs
+    x @ w[e] on the reference path instead, which reads the canonical layout as fast)."""
+    names = tuple(names)
+    if reads_only_by_linear(model, names):
+        return True
+    first = names[0]
+    module = model.get_submodule(_parent(first)[0])
+    return is_fused_experts(module, model.get_parameter(first)) and not getattr(module, "is_transposed", False)
+
+
 def _config_for(recipe, fqn, module_fqn, module, pname, param, filter_fn, embeddings):
     """Step 4 of the precedence for one parameter."""
+    experts = is_fused_experts(module, param)
     if isinstance(recipe, FqnToConfig):
-        hit, cfg = recipe.resolve(fqn, module_fqn, module, pname)
+        hit, cfg = recipe.resolve(fqn, module_fqn, module, pname, experts=experts)
         if not hit and pname == "weight" and module_fqn in embeddings:
             cfg = recipe.mapping.get("_default")
         if filter_fn is not None and not filter_fn(module, module_fqn):
             return None
         return cfg
-    if pname != "weight" or param.ndim != 2:
+    if not experts and (pname != "weight" or param.ndim != 2):
         return None
     if filter_fn is not None:
         wanted = filter_fn(module, module_fqn)
     else:
-        wanted = isinstance(module, nn.Linear) or module_fqn in embeddings
+        wanted = experts or isinstance(module, nn.Linear) or module_fqn in embeddings
     return recipe if wanted else None
 
 
@@ -166,7 +190,7 @@ def plan(
         if chosen[source] is None or frozen & set(names):
             continue
         decisions[source] = Decision(
-            chosen[source], shapes[source], reads_only_by_linear(model, names), tuple(names[1:])
+            chosen[source], shapes[source], placed_for_kernels(model, names), tuple(names[1:])
         )
     return decisions
 
@@ -179,7 +203,7 @@ def quantize_(
     """Replace weights of `model` with quantized tensors, in place; returns `model`.
 
     A single config applies to the 2-D `weight` of every module for which
-    `filter_fn(module, fqn)` is true (default: every nn.Linear). An FqnToConfig decides per parameter (see
+    `filter_fn(module, fqn)` is true (default: every nn.Linear), and to fused MoE experts. An FqnToConfig decides per parameter (see
     hf_aoq.configs); `filter_fn`, when given, further restricts which modules it touches.
     A tensor shared by several modules (tied weights) is quantized once and stays shared; if
     its names resolve to different configs (one of them None included), it is an AOQError.

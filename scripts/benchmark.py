@@ -12,12 +12,15 @@ Every configuration runs in fresh processes, so peak RSS and timings belong to i
 
 The default model has TinyLlama-1.1B's shape (Llama, hidden 2048, intermediate 5632, 22 layers,
 32 heads, 4 KV heads, vocab 32000) with seeded random weights, built once and cached as bf16
-safetensors. The machine's read bandwidth is measured once, and the batch-1 decode limit is
+safetensors. With --moe it is a small Mixtral instead (hidden 1024, 8 experts of intermediate
+2048, top-2, 8 layers, 16 heads, 4 KV heads, vocab 32000: fused 3-D experts, quantized as such),
+and fidelity is measured on that model itself (random token ids) rather than on SmolLM2. The machine's read bandwidth is measured once, and the batch-1 decode limit is
 reported as bandwidth / bytes read per token.
 
     .venv/bin/python scripts/benchmark.py                                 # everything
     .venv/bin/python scripts/benchmark.py --configs bf16,int4 --layers 4  # quick
     .venv/bin/python scripts/benchmark.py --model PATH --out result.json
+    .venv/bin/python scripts/benchmark.py --moe --configs bf16,int4,int8 --batches 1
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_key_value_heads=4, vocab_size=32000)
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1000)
+MOE = dict(hidden_size=1024, intermediate_size=2048, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=8,
+           num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
+TINY_MOE = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 
 # name -> (backend, scheme). Schemes: int4 (g128 weight-only), int8 (weight-only, per row),
 # int8dyn (int8 weights, dynamic per-token int8 activations), fp8 (e4m3 weight-only, per row),
@@ -98,12 +104,18 @@ def tensor_bytes(t) -> int:
 
 def model_bytes(model) -> tuple[int, int]:
     """(bytes of all parameters, bytes read per decoded token). The second leaves out the input
-    embedding (one row is read per token) unless it is the lm_head weight too."""
+    embedding (one row is read per token) unless it is the lm_head weight too, and counts of
+    fused MoE experts [E, N, K] only the top-k a token is routed to."""
     total = sum(tensor_bytes(p) for p in model.parameters())  # parameters() counts a tied weight once
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     tied = out is not None and out.weight is emb
-    return total, total if tied else total - tensor_bytes(emb)
+    per_token = total if tied else total - tensor_bytes(emb)
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    for name, p in model.named_parameters():
+        if top_k and ".experts." in name and p.ndim == 3:
+            per_token -= tensor_bytes(p) * (p.shape[0] - top_k) // p.shape[0]
+    return total, per_token
 
 
 def dir_bytes(path: Path) -> int:
@@ -291,14 +303,20 @@ def child_fidelity(a) -> dict:
     backend, scheme = CONFIGS[a.config]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(a.smollm2_dir)
-    text = PROSE.read_text(encoding="utf-8", errors="replace")[:4000]
-    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : a.fidelity_tokens]
-    ref_model = load(a.smollm2_dir, "plain", "bf16")
+    if a.moe:  # the benchmarked MoE itself (no tokenizer: random ids)
+        source = a.model
+        vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+        ids = torch.randint(0, vocab, (1, a.fidelity_tokens), generator=torch.Generator().manual_seed(0))
+    else:
+        source = a.smollm2_dir
+        tokenizer = AutoTokenizer.from_pretrained(a.smollm2_dir)
+        text = PROSE.read_text(encoding="utf-8", errors="replace")[:4000]
+        ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : a.fidelity_tokens]
+    ref_model = load(source, "plain", "bf16")
     with torch.inference_mode():
         ref = ref_model(input_ids=ids).logits.float()
     del ref_model
-    model = load(a.smollm2_dir, backend, scheme)
+    model = load(source, backend, scheme)
     with torch.inference_mode():
         got = model(input_ids=ids).logits.float()
     noise = (ref - got).pow(2).mean()
@@ -321,14 +339,13 @@ def child_prepare_smollm2(a) -> dict:
 
 def child_build_model(a) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    shape = dict(TINY if a.tiny else TINYLLAMA)
-    if a.layers:
-        shape["num_hidden_layers"] = a.layers
-    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=False)
+    shape = default_shape(a)
+    config_cls, model_cls = (MixtralConfig, MixtralForCausalLM) if a.moe else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(**shape, max_position_embeddings=2048, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model_cls(config).to(torch.bfloat16)
     tmp = Path(a.model + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -443,17 +460,26 @@ def common_args(a) -> list[str]:
            "--fidelity-tokens", str(a.fidelity_tokens)]
     if a.threads:
         out += ["--threads", str(a.threads)]
+    if a.moe:
+        out.append("--moe")
     if a.debug:
         out.append("--debug")
     return out
 
 
-def default_model_dir(a) -> Path:
-    shape = dict(TINY if a.tiny else TINYLLAMA)
+def default_shape(a) -> dict:
+    shape = dict((TINY_MOE if a.tiny else MOE) if a.moe else (TINY if a.tiny else TINYLLAMA))
     if a.layers:
         shape["num_hidden_layers"] = a.layers
+    return shape
+
+
+def default_model_dir(a) -> Path:
+    shape = default_shape(a)
     name = "llama-h{hidden_size}-i{intermediate_size}-l{num_hidden_layers}-a{num_attention_heads}" \
            "-kv{num_key_value_heads}-v{vocab_size}-seed0-bf16".format(**shape)
+    if a.moe:
+        name = "mixtral-e{num_local_experts}-k{num_experts_per_tok}-".format(**shape) + name.removeprefix("llama-")
     return Path(a.cache_dir).expanduser() / name
 
 
@@ -573,7 +599,8 @@ def main_parent(a) -> int:
         model_desc = str(model_dir)
     else:
         model_dir = default_model_dir(a)
-        model_desc = f"random-weight Llama, {model_dir.name} (cached in {model_dir.parent})"
+        kind = "Mixtral (MoE)" if a.moe else "Llama"
+        model_desc = f"random-weight {kind}, {model_dir.name} (cached in {model_dir.parent})"
         if not (model_dir / "config.json").is_file():
             log(f"building {model_dir.name} (once) ...")
             extra = ["--model", str(model_dir)] + (["--tiny"] if a.tiny else []) + (["--layers", str(a.layers)] if a.layers else [])
@@ -582,7 +609,7 @@ def main_parent(a) -> int:
                 raise BenchError(f"building the default model failed: {r['error']}")
 
     smollm2_dir = cache / "smollm2-135m-bf16"
-    if not a.no_fidelity and not (smollm2_dir / "config.json").is_file():
+    if not a.no_fidelity and not a.moe and not (smollm2_dir / "config.json").is_file():
         log("unpacking SmolLM2-135M to bf16 safetensors (once) ...")
         r = spawn(a, "prepare-smollm2", ["--smollm2-dir", str(smollm2_dir)] + common_args(a), a.timeout)
         if "error" in r:
@@ -613,8 +640,9 @@ def main_parent(a) -> int:
                 rl = spawn(a, "reload", base, a.timeout)
                 r.update({k if k != "error" else "reload_error": v for k, v in rl.items() if not k.startswith("_")})
         if not a.no_fidelity and name != "bf16":
-            log(f"[{name}] fidelity on SmolLM2-135M ...")
-            f = spawn(a, "fidelity", ["--config", name, "--smollm2-dir", str(smollm2_dir)] + common_args(a), a.timeout)
+            log(f"[{name}] fidelity on {'the MoE' if a.moe else 'SmolLM2-135M'} ...")
+            f = spawn(a, "fidelity", ["--config", name, "--smollm2-dir", str(smollm2_dir), "--model", str(model_dir)]
+                      + common_args(a), a.timeout)
             r.update({k if k != "error" else "fidelity_error": v for k, v in f.items() if not k.startswith("_")})
         elif not a.no_fidelity:
             r.update(sqnr_db=float("inf"), top1_agree=1.0)
@@ -645,7 +673,9 @@ def main_parent(a) -> int:
           f"(all weights but the input embedding), at batch 1; batches {a.batches} decode that many streams at once "
           f"(tok/s over all of them). Greedy, KV cache; decode over {a.decode_tokens} tokens, "
           f"median of {a.repeats}; prefill {a.prefill_tokens} tokens, best of {a.prefill_repeats}. "
-          f"Fidelity: logits on SmolLM2-135M vs bf16 ({a.fidelity_tokens} tokens of tests/data/lee_background.cor). "
+          + (f"Fidelity: logits of this MoE vs its bf16 self ({a.fidelity_tokens} random token ids). " if a.moe else
+             f"Fidelity: logits on SmolLM2-135M vs bf16 ({a.fidelity_tokens} tokens of tests/data/lee_background.cor). ") +
+          f"Bytes read per token count the top-k experts of each MoE layer only. "
           f"RSS includes the process baseline (python, torch, transformers: ~0.35 GB). A plain safetensors load is "
           f"lazy (mmap): its load time and load peak RSS leave out paging the weights in, which the first forward pays; "
           f"'peak RSS' is the whole measure step's. Reload is timed right after the save, with the page cache warm.\n")
@@ -664,6 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a local transformers model directory (default: random TinyLlama-shaped Llama)")
     p.add_argument("--layers", type=int, default=None, help="layers of the default model (default 22; fewer for a quick run)")
     p.add_argument("--tiny", action="store_true", help="a tiny default model (hidden 128, 2 layers, vocab 1000) for tests")
+    p.add_argument("--moe", action="store_true", help="the default model is a small Mixtral (hidden 1024, 8 experts, "
+                   "top-2, 8 layers; with --tiny: hidden 128, 4 experts), fidelity measured on it")
     p.add_argument("--cache-dir", default="~/.cache/hf_aoq/bench", help="where the default model and SmolLM2 bf16 are kept")
     p.add_argument("--out", default="benchmark.json", help="the JSON report (default benchmark.json; '' for none)")
     p.add_argument("--batches", default="1,4,16", help="decode batch sizes (comma-separated; default 1,4,16)")

@@ -1,4 +1,5 @@
 """Quantized tensor types, one file per dtype family."""
+from . import experts  # noqa: F401  (the fused-experts ops)
 from .float8 import Float8Tensor
 from .int4 import Int4Tensor
 from .int4dq import Int4DQTensor

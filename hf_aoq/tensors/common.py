@@ -131,14 +131,19 @@ def check_built(tensor: "AOQTensor", weight: torch.Tensor, name: str) -> "AOQTen
 
 
 def check_layout(fields, type_name: str, blocks: str, block_ok) -> None:
-    """The layout rules every block-grid type shares: a 2-D [N, K] shape with no empty
-    dimension, and a block size that `block_ok(block, shape)` accepts (`blocks` says which, for
-    the message). A loader refuses anything else, as no kernel could run it."""
+    """The layout rules every block-grid type shares: a 2-D [N, K] shape (or 3-D [E, N, K]
+    fused experts, each expert laid out as a 2-D weight, block (1, ...)) with no empty
+    dimension, and a block size that `block_ok(block, shape)` accepts for the 2-D matrix
+    (`blocks` says which, for the message). A loader refuses anything else, as no kernel could run it."""
     shape, block = tuple(fields["shape"]), fields["block_size"]
-    if len(shape) != 2 or 0 in shape:
-        raise AOQError(f"attribute 'shape': {type_name} is a non-empty 2-D [N, K] weight, got {shape}")
-    if type(block) is not tuple or not all(type(b) is int for b in block) or not block_ok(block, shape):
-        raise AOQError(f"attribute 'block_size': {block!r}, expected {blocks} for shape {shape}")
+    if len(shape) not in (2, 3) or 0 in shape:
+        raise AOQError(f"attribute 'shape': {type_name} is a non-empty 2-D [N, K] weight or 3-D [E, N, K] "
+                       f"experts, got {shape}")
+    lead = (1,) * (len(shape) - 2)
+    if (type(block) is not tuple or not all(type(b) is int for b in block) or len(block) != len(shape)
+            or block[:-2] != lead or not block_ok(block[-2:], shape[-2:])):
+        want = f"{blocks}, after a leading 1 for the expert dimension" if lead else blocks
+        raise AOQError(f"attribute 'block_size': {block!r}, expected {want} for shape {shape}")
 
 
 class DevicePacked:
@@ -152,9 +157,17 @@ class DevicePacked:
             raise AOQError(f"attribute 'packing': {fields['packing']!r}; checkpoints hold the canonical layout only")
 
     def to_canonical(self):
-        return self if self.packing is None else kernels.get_packing(self.packing).unpack(self)
+        if self.packing is None:
+            return self
+        if len(self.shape) == 3:  # fused experts: each expert was packed as a 2-D weight
+            from .experts import map_experts
+            return map_experts(self, lambda e: e.to_canonical())
+        return kernels.get_packing(self.packing).unpack(self)
 
     def place(self):
+        if len(self.shape) == 3:
+            from .experts import map_experts
+            return map_experts(self.to_canonical(), lambda e: e.place())
         canonical = self.to_canonical()
         packing = kernels.best_packing(canonical)
         if packing is None:
@@ -188,7 +201,7 @@ class BlockGridTensor(AOQTensor):
         return (codes.float() * scale).to(x.dtype).reshape(x.shape)
 
     def as_linear_weight(self) -> "BlockGridTensor | None":
-        return self.t() if self.transposable else None
+        return self.t() if self.transposable and len(self.shape) == 2 else None
 
     def select_rows(self, rows: torch.Tensor) -> "BlockGridTensor":
         return select_grid_rows(self.to_canonical(), rows)

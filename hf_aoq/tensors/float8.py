@@ -1,7 +1,8 @@
 """Float8Tensor: e4m3fn or e5m2 weights scaled per tensor or per row, weight-only or with
 dynamic float8 activations.
 
-Canonical layout (what is saved):
+Canonical layout (what is saved; 3-D fused experts [E, N, K] put E in front of every field,
+a per-tensor scale is per expert, [E, 1, 1]):
     qdata      float8 [N, K]
     scale      float32 [1, 1] (per tensor) or [N, 1] (per row);  w = q * scale
     act_quant  None (weight-only), "per_tensor" or "per_row" (activations quantized at run time,
@@ -18,6 +19,7 @@ from ..core.granularity import PerRow, PerTensor
 from ..core.primitives import FLOAT8_DTYPES, by_row_chunks, choose_scale_float8, dequantize_float8, quantize_float8
 from ..core.registry import register_tensor_type
 from .common import BlockGridTensor, check_built, check_grid_fields, check_layout, check_weight
+from .experts import quantize_experts
 
 ACT_QUANTS = (None, "per_tensor", "per_row", "static")
 
@@ -67,6 +69,9 @@ class Float8Tensor(BlockGridTensor):
         name: str = "weight",
     ):
         """`act_scale` (a positive number or one-element tensor) goes with act_quant "static" only."""
+        if getattr(weight, "ndim", 0) == 3:  # fused experts [E, N, K]: expert by expert (per tensor = per expert)
+            return quantize_experts(cls.from_float, weight, name, float8_dtype=float8_dtype, granularity=granularity,
+                                    act_quant=act_quant, act_dtype=act_dtype, act_scale=act_scale)
         check_weight(weight, name)
         if act_quant not in ACT_QUANTS:
             raise AOQError(f"{name}: Float8Tensor act_quant must be one of {ACT_QUANTS}, got {act_quant!r}")

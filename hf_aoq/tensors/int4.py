@@ -1,6 +1,6 @@
 """Int4Tensor: 4-bit weights in groups along the input dimension, asymmetric or symmetric.
 
-Canonical layout (what is saved):
+Canonical layout (what is saved; 3-D fused experts [E, N, K] put E in front of every field):
     qdata   uint8 [N, K/2]         two codes per byte, low nibble = even k
     scale   [N, ceil(K/g)]         in the weight's dtype
     zero    [N, ceil(K/g)] or None the value that code 8 stands for; None = symmetric (zero 0)
@@ -37,6 +37,7 @@ from ..core.registry import register_tensor_type
 from ..kernels.common import INT4_GROUP_SIZES as GROUP_SIZES
 from ..kernels.common import quantize_int_per_token
 from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
+from .experts import quantize_experts
 from .float8 import quantize_input_float8
 
 QMIN, QMAX = 0, 15
@@ -74,7 +75,11 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
         each group's scale and zero are chosen: "mse" (default, as Int4WeightOnlyConfig's: the
         least squared reconstruction error; see core.primitives) or "minmax" (the group's range,
         nothing clips). `act_quant` "per_token" with `act_dtype` (ACT_DTYPES) quantizes the
-        activations at run time too."""
+        activations at run time too. A 3-D [E, N, K] weight (fused experts) is quantized expert by
+        expert."""
+        if getattr(weight, "ndim", 0) == 3:
+            return quantize_experts(cls.from_float, weight, name, group_size=group_size, symmetric=symmetric,
+                                    qparams=qparams, act_quant=act_quant, act_dtype=act_dtype)
         check_weight(weight, name)
         check_act_fields(act_quant, act_dtype, name)
         if group_size not in GROUP_SIZES:

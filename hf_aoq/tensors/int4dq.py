@@ -6,7 +6,8 @@ centre `c` are 4-bit indices into a per-row grid, whose ends are 8-bit log codes
 per-tensor floats: 4 + 8/32 + 32/K bits per weight, about the size of Int4Tensor at groups of
 128, with the accuracy of groups of 32 (docs/format.md has the measurements).
 
-Canonical layout (what is saved), weight [N, K], K even, groups of g along K (the last may be
+Canonical layout (what is saved; 3-D fused experts [E, N, K] put E in front of every field,
+tparams included: [E, 2]), weight [N, K], K even, groups of g along K (the last may be
 partial), G = ceil(K / g):
     qdata    uint8 [N, K/2]   codes q in [0, 15], two per byte, low nibble = even k
     gparams  uint8 [N, G]     per group: low nibble a (scale index), high nibble b (centre index)
@@ -35,6 +36,7 @@ from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int
 from ..core.registry import register_tensor_type
 from ..kernels.search import int4dq_search
 from .common import BlockGridTensor, DevicePacked, check_built, check_weight
+from .experts import dequantize_experts, quantize_experts
 
 GROUP_SIZES = (32, 64)
 # float32(2^(-j/32)): the mantissas of the 8-bit log codes. Computed in float64 and rounded once,
@@ -56,7 +58,10 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         """Quantize a float [N, K] weight. Per group: min/max give the group's scale and centre;
         per row, the range of those is coded in 8 bits at each end; each group then takes the
         4-bit scale and centre indices, among the nearest ones and their neighbours, that
-        reconstruct it with the least squared error, and its codes are rounded on that grid."""
+        reconstruct it with the least squared error, and its codes are rounded on that grid.
+        A 3-D [E, N, K] weight (fused experts) is quantized expert by expert (T_d, T_c per expert)."""
+        if getattr(weight, "ndim", 0) == 3:
+            return quantize_experts(cls.from_float, weight, name, group_size=group_size)
         check_weight(weight, name)
         check_finite(weight, name)
         if group_size not in GROUP_SIZES:
@@ -76,21 +81,24 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
     def check_fields(cls, fields) -> None:
         super().check_fields(fields)
         shape, block = tuple(fields["shape"]), fields["block_size"]
-        if len(shape) != 2 or 0 in shape:
-            raise AOQError(f"attribute 'shape': Int4DQTensor is a non-empty 2-D [N, K] weight, got {shape}")
-        n, k = shape
+        if len(shape) not in (2, 3) or 0 in shape:
+            raise AOQError(f"attribute 'shape': Int4DQTensor is a non-empty 2-D [N, K] weight or 3-D [E, N, K] "
+                           f"experts, got {shape}")
+        lead, (n, k) = shape[:-2], shape[-2:]
         if not fields["dtype"].is_floating_point or fields["dtype"].itemsize < 2:
             raise AOQError(f"attribute 'dtype': {fields['dtype']} is not a float dtype of 16 bits or more")
-        if type(block) is not tuple or len(block) != 2 or block[0] != 1 or block[1] not in GROUP_SIZES:
-            raise AOQError(f"attribute 'block_size': {block!r}, expected (1, g) with g in {GROUP_SIZES}")
+        ones = (1,) * (len(shape) - 1)
+        if type(block) is not tuple or block[:-1] != ones or len(block) != len(shape) or block[-1] not in GROUP_SIZES:
+            want = "(1, 1, g)" if lead else "(1, g)"
+            raise AOQError(f"attribute 'block_size': {block!r}, expected {want} with g in {GROUP_SIZES}")
         if k % 2:
             raise AOQError(f"attribute 'shape': last dimension of {shape} is not even")
-        groups = -(-k // block[1])
+        groups = -(-k // block[-1])
         expected = {
-            "qdata": ((n, k // 2), torch.uint8),
-            "gparams": ((n, groups), torch.uint8),
-            "rparams": ((n, 4), torch.uint8),
-            "tparams": ((2,), torch.float32),
+            "qdata": (lead + (n, k // 2), torch.uint8),
+            "gparams": (lead + (n, groups), torch.uint8),
+            "rparams": (lead + (n, 4), torch.uint8),
+            "tparams": (lead + (2,), torch.float32),
         }
         for field, (want_shape, want_dtype) in expected.items():
             t = fields[field]
@@ -119,6 +127,8 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         return dlo[:, None] + a * dstep[:, None], clo[:, None] + b * cstep[:, None]
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if len(self.shape) == 3:
+            return dequantize_experts(self.to_canonical(), dtype)
         n, k = self.shape
         g = self.group_size
         d, c = self.group_grid()

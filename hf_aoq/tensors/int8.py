@@ -1,7 +1,7 @@
 """Int8Tensor: symmetric 8-bit weights per row or per group, weight-only or with dynamic
 per-token int8 activations.
 
-Canonical layout (what is saved):
+Canonical layout (what is saved; 3-D fused experts [E, N, K] put E in front of every field):
     qdata      int8 [N, K]        codes in [-127, 127]
     scale      float32 [N, K/g]   g = K for per row;  w = q * scale
     act_quant  None (weight-only) or "per_token" (activations quantized at run time)
@@ -18,6 +18,7 @@ from ..core.primitives import by_row_chunks, choose_qparams_affine, dequantize_a
 from ..core.registry import register_tensor_type
 from ..kernels.common import quantize_int8_per_token
 from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
+from .experts import quantize_experts
 
 QMIN, QMAX = -127, 127
 ACT_QUANTS = (None, "per_token")
@@ -50,7 +51,11 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
     ):
         """Quantize a float [N, K] weight per row (or in groups of `group_size` along K).
         `scale_dtype` torch.float16 chooses scales that fp16 holds exactly (each rounded to fp16
-        before the codes are chosen; still stored as float32), as GGUF's Q8_0 keeps them."""
+        before the codes are chosen; still stored as float32), as GGUF's Q8_0 keeps them. A 3-D
+        [E, N, K] weight (fused experts) is quantized expert by expert."""
+        if getattr(weight, "ndim", 0) == 3:  # fused experts [E, N, K]: expert by expert
+            return quantize_experts(cls.from_float, weight, name, group_size=group_size, act_quant=act_quant,
+                                    scale_dtype=scale_dtype)
         check_weight(weight, name)
         if scale_dtype not in (None, torch.float32, torch.float16):
             raise AOQError(f"{name}: Int8Tensor scale_dtype must be None, torch.float32 or torch.float16, got {scale_dtype!r}")

@@ -61,3 +61,23 @@ def test_benchmark_rejects_unknown_config(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "int3" in result.stderr
+
+
+def test_benchmark_moe_runs_with_quantized_experts(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--moe", "--layers", "1", "--configs", "bf16,int4",
+         "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32", "--batches", "1",
+         "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "2", "--threads", "1", "--fidelity-tokens", "16"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "Mixtral" in report["model"] and "e4-k2" in report["model"]
+    bf16, int4 = report["results"]["bf16"], report["results"]["int4"]
+    for r in (bf16, int4):
+        assert "error" not in r and "reload_error" not in r and r["decode_tps"] > 0, r
+        assert r["bytes_per_token"] < r["model_bytes"]  # only the top-2 of 4 experts are read per token
+    assert int4["model_bytes"] < 0.6 * bf16["model_bytes"]  # the experts quantized (bf16 embeddings and lm_head remain)
+    assert 10 < int4["sqnr_db"] < float("inf")  # measured on the MoE itself, not SmolLM2
+    assert any(k.startswith("linear Int4Tensor: ") for k in int4["kernels_decode"])

@@ -1,41 +1,58 @@
-"""MoE models from transformers' own classes through the "aoq" quantizer.
+"""MoE models from transformers' own classes through the "aoq" quantizer: fused experts quantized.
 
-transformers 5 keeps the routed experts of Mixtral and Qwen2-MoE as fused 3-D parameters
-(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) on a custom module, not as
-nn.Linear layers, and converts per-expert checkpoint tensors into them while loading. hf_aoq's
-tensor types hold 2-D weights, so the experts stay in float: recipes never select them (they
-are not nn.Linear weights) and naming one explicitly is an error. Attention projections, and
-Qwen2-MoE's shared expert and its gate (plain nn.Linear), are quantized as usual; the routers
-(2-D, but not nn.Linear) are quantized only when named.
+transformers 5 keeps the routed experts of Mixtral, Qwen2/3-MoE and gpt-oss as fused 3-D
+parameters (`experts.gate_up_proj`, `experts.down_proj`) on a custom module, and (Mixtral,
+Qwen) converts per-expert checkpoint tensors into them while loading. hf_aoq quantizes them as
+one 3-D tensor (each expert by the 2-D rule); the routers (2-D, not nn.Linear) stay float unless
+named. A quantized model saves its experts fused, under the names transformers' save renamings
+give (Mixtral's `mlp.` -> `block_sparse_moe.`), and loads back with the same logits.
 """
+import json
+
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
-from hf_aoq import AOQConfig, AOQError, AOQTensor, FqnToConfig, Int4WeightOnlyConfig, Int8Tensor, Int8WeightOnlyConfig
+from conftest import sqnr
+from hf_aoq import (
+    AOQConfig,
+    AOQTensor,
+    Float8WeightOnlyConfig,
+    FqnToConfig,
+    Int4DQWeightOnlyConfig,
+    Int4Tensor,
+    Int4WeightOnlyConfig,
+    Int8Tensor,
+    Int8WeightOnlyConfig,
+)
 
 VOCAB = 256
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
 MODELS = {
-    "mixtral": (
-        MixtralForCausalLM,
-        MixtralConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, **COMMON),
-    ),
-    "qwen2_moe": (
-        Qwen2MoeForCausalLM,
-        Qwen2MoeConfig(
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=128,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            **COMMON,
-        ),
-    ),
+    "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(intermediate_size=128, num_local_experts=4,
+                                                          num_experts_per_tok=2, **COMMON)),
+    "qwen2_moe": (Qwen2MoeForCausalLM, lambda: Qwen2MoeConfig(
+        intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], **COMMON)),
+    "qwen3_moe": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(
+        intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=16,
+        decoder_sparse_step=1, mlp_only_layers=[], **COMMON)),
+    "gpt_oss": (GptOssForCausalLM, lambda: GptOssConfig(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], **COMMON)),
 }
+ROUTER = {"mixtral": "mlp.gate", "qwen2_moe": "mlp.gate", "qwen3_moe": "mlp.gate", "gpt_oss": "mlp.router"}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -43,7 +60,12 @@ def moe(request, tmp_path_factory):
     cls, config = MODELS[request.param]
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp(request.param)
-    cls(config).save_pretrained(path)  # per-expert tensors on disk, as on the Hub
+    model = cls(config())
+    with torch.no_grad():  # gpt-oss initializes its router and expert biases to zero
+        for n, p in model.named_parameters():
+            if p.abs().max() == 0 and "norm" not in n:
+                p.normal_(0, 0.02)
+    model.save_pretrained(path)  # per-expert tensors on disk for Mixtral and Qwen, as on the Hub
     return request.param, str(path)
 
 
@@ -57,69 +79,102 @@ def logits(model, ids):
         return model(ids).logits
 
 
-def test_linear_layers_are_quantized_and_experts_stay_float(moe, ids):
+def experts_of(model):
+    return {n: p for n, p in model.named_parameters() if ".experts." in n and p.ndim == 3}
+
+
+def test_experts_are_quantized_and_routers_stay_float(moe, ids):
     name, path = moe
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(Int8WeightOnlyConfig()))
-    kinds = {n: type(p) for n, p in model.named_parameters()}
+    experts = experts_of(model)
+    assert len(experts) == 4  # gate_up_proj and down_proj of two layers
+    for n, p in experts.items():
+        assert type(p) is Int8Tensor and p.ndim == 3 and p.qdata.ndim == 3, n
     for layer in range(2):
         prefix = f"model.layers.{layer}"
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            assert kinds[f"{prefix}.self_attn.{proj}.weight"] is Int8Tensor
-        # Fused experts: 3-D, left in float; the router: not nn.Linear, left in float.
-        for p in ("gate_up_proj", "down_proj"):
-            assert kinds[f"{prefix}.mlp.experts.{p}"] is nn.Parameter
-            assert model.get_parameter(f"{prefix}.mlp.experts.{p}").ndim == 3
-        assert kinds[f"{prefix}.mlp.gate.weight"] is nn.Parameter
-        if name == "qwen2_moe":  # the shared expert and its gate are plain nn.Linear
-            shared = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate")
-            for p in shared:
-                assert kinds[f"{prefix}.mlp.{p}.weight"] is Int8Tensor
+        assert type(model.get_parameter(f"{prefix}.self_attn.q_proj.weight")) is Int8Tensor
+        assert type(model.get_parameter(f"{prefix}.{ROUTER[name]}.weight")) is nn.Parameter
     ref = logits(AutoModelForCausalLM.from_pretrained(path), ids)
+    assert sqnr(ref, logits(model, ids)) > 25
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+def test_every_experts_implementation_runs_on_quantized_experts(moe, ids, implementation):
+    _, path = moe
+    cfg = AOQConfig(Int4WeightOnlyConfig(group_size=32))
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg, experts_implementation=implementation)
+    assert all(type(p) is Int4Tensor for p in experts_of(model).values())
     out = logits(model, ids)
-    assert (out - ref).abs().max() < 0.02 * ref.abs().max()
+    # The same model with every quantized weight dequantized, run in float.
+    model.dequantize()
+    assert not any(isinstance(p, AOQTensor) for p in model.parameters())
+    want = logits(model, ids)
+    assert sqnr(want, out) > 30, implementation
 
 
 def test_round_trip_through_shards_keeps_logits(moe, ids, tmp_path):
-    _, path = moe
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(Int8WeightOnlyConfig()))
-    expected = logits(model, ids)
-    model.save_pretrained(tmp_path, max_shard_size="40KB")  # experts split back per expert on save
-    again = AutoModelForCausalLM.from_pretrained(str(tmp_path))
-    assert {n for n, p in again.named_parameters() if isinstance(p, AOQTensor)} == {
-        n for n, p in model.named_parameters() if isinstance(p, AOQTensor)
-    }
-    assert torch.equal(logits(again, ids), expected)
-    # The fused experts were merged again from per-expert tensors, in float, unchanged.
-    for n, p in model.named_parameters():
-        if ".experts." in n:
-            assert torch.equal(again.get_parameter(n), p), n
-
-
-def test_naming_fused_experts_is_an_error(moe):
-    _, path = moe
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    recipe = FqnToConfig({name: Int4WeightOnlyConfig(group_size=32)})
-    with pytest.raises(AOQError, match=rf"{name}: cannot quantize a 3-D .*fused MoE experts are 3-D"):
-        AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(recipe))
-
-
-def test_a_named_router_is_quantized(moe, ids, tmp_path):
     name, path = moe
-    router = "model.layers.0.mlp.gate"
-    recipe = FqnToConfig({"_default": Int8WeightOnlyConfig(), router: Int8WeightOnlyConfig()})
-    if name == "qwen2_moe":
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(recipe))
-        assert isinstance(model.get_parameter(f"{router}.weight"), Int8Tensor)
-        expected = logits(model, ids)
-        model.save_pretrained(tmp_path)
-        assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(str(tmp_path)), ids), expected)
-        return
-    # Mixtral's checkpoint conversion mapping renames `mlp.` to `block_sparse_moe.` on save, so a
-    # quantized router works in memory but cannot be saved under the name its metadata gives.
-    with pytest.warns(UserWarning, match="save_pretrained will refuse it"):
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(recipe))
+    recipe = FqnToConfig({"_default": Int4WeightOnlyConfig(group_size=32), "re:.*down_proj": Int8WeightOnlyConfig()})
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(recipe))
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    # Experts stay fused on disk, under the saved names (Mixtral renames mlp. to block_sparse_moe.).
+    mlp = "block_sparse_moe" if name == "mixtral" else "mlp"
+    assert f"model.layers.0.{mlp}.experts.gate_up_proj:qdata" in index
+    assert not any(".experts.0." in k for k in index)
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    kinds = {n: type(p) for n, p in again.named_parameters() if isinstance(p, AOQTensor)}
+    assert kinds == {n: type(p) for n, p in model.named_parameters() if isinstance(p, AOQTensor)}
+    assert kinds["model.layers.1.mlp.experts.down_proj"] is Int8Tensor
+    assert kinds["model.layers.1.mlp.experts.gate_up_proj"] is Int4Tensor
+    for n, p in experts_of(model).items():
+        q = again.get_parameter(n)
+        assert q.packing == p.packing, n  # placed for the kernels again
+        assert torch.equal(q.dequantize(), p.dequantize()), n
+    assert torch.equal(logits(again, ids), expected)
+
+
+def test_recipes_target_and_skip_experts(moe):
+    _, path = moe
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    recipe = FqnToConfig({
+        "_default": Int8WeightOnlyConfig(),
+        gate_up: Int4DQWeightOnlyConfig(group_size=32),  # an exact name
+        "re:model\\.layers\\.1\\.mlp\\.experts\\..*": None,  # a regex skips layer 1's experts
+    })
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(recipe))
+    experts = experts_of(model)
+    assert type(experts[gate_up]).__name__ == "Int4DQTensor"
+    assert type(experts["model.layers.0.mlp.experts.down_proj"]) is Int8Tensor
+    assert type(experts["model.layers.1.mlp.experts.down_proj"]) is nn.Parameter
+    # modules_to_not_convert skips them too.
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=AOQConfig(Int8WeightOnlyConfig(), modules_to_not_convert=["experts"]))
+    assert not any(isinstance(p, AOQTensor) for p in experts_of(model).values())
+
+
+def test_a_named_router_is_quantized_saved_and_reloaded(moe, ids, tmp_path):
+    # Mixtral's conversion mapping renames `mlp.` to `block_sparse_moe.` on save; a quantized
+    # router used to be refused by save_pretrained ("renames or converts [...]").
+    name, path = moe
+    router = f"model.layers.0.{ROUTER[name]}"
+    recipe = FqnToConfig({"_default": Float8WeightOnlyConfig(), f"{router}.weight": Int8WeightOnlyConfig()})
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(recipe))
     assert isinstance(model.get_parameter(f"{router}.weight"), Int8Tensor)
-    logits(model, ids)
-    with pytest.raises(AOQError, match=r"renames or converts \['model.layers.0.mlp.gate.weight'\]"):
-        model.save_pretrained(tmp_path)
-    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert isinstance(again.get_parameter(f"{router}.weight"), Int8Tensor)
+    assert torch.equal(logits(again, ids), expected)
+
+
+def test_quantized_experts_shrink_the_checkpoint(moe, tmp_path):
+    _, path = moe
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=AOQConfig(Int4WeightOnlyConfig(group_size=32)))
+    float_experts = experts_of(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)).values()
+    float_bytes = sum(p.nbytes for p in float_experts)
+    quant_bytes = sum(sum(t.nbytes for t in p.to_canonical().tensor_fields().values()) for p in experts_of(model).values())
+    # 16 bits -> 4 bits, and a bf16 scale and zero per group of 32: 5 bits per weight.
+    assert quant_bytes == float_bytes * 5 // 16

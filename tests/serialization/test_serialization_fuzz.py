@@ -284,10 +284,11 @@ MALFORMED_LAYOUTS = [
     ("model.layers.0.proj.weight", {"block_size": ["ints", [2, 32]]}),  # scale [16, 2] read as 8 x 2 blocks
     ("model.layers.0.proj.weight", {"block_size": ["ints", [16, 64]]}),  # per tensor
     ("model.layers.0.proj.weight", {"block_size": ["ints", [1, 16]]}),  # a group size no kernel has
-    ("model.layers.0.proj.weight", {"shape": ["ints", [2, 8, 64]], "block_size": ["ints", [1, 1, 32]]}),
+    # 3-D [E, N, K] is fused experts (tests/tensors/test_experts.py); 4-D is nothing.
+    ("model.layers.0.proj.weight", {"shape": ["ints", [2, 1, 8, 64]], "block_size": ["ints", [1, 1, 1, 32]]}),
     ("model.layers.0.proj.weight", {"packing": ["enum", "cpu_int4_pairs"]}),
     ("model.layers.0.proj.weight_extra", {"block_size": ["ints", [2, 64]]}),
-    ("model.layers.0.proj.weight_extra", {"shape": ["ints", [2, 8, 64]], "block_size": ["ints", [1, 1, 64]]}),
+    ("model.layers.0.proj.weight_extra", {"shape": ["ints", [2, 1, 8, 64]], "block_size": ["ints", [1, 1, 1, 64]]}),
     ("model.embed.weight", {"block_size": ["ints", [2, 64]]}),
     ("model.embed.weight", {"block_size": ["ints", [1, 32]]}),
 ]
@@ -296,10 +297,10 @@ MALFORMED_LAYOUTS = [
 def test_malformed_layouts_are_refused_naming_the_tensor():
     for name, attributes in MALFORMED_LAYOUTS:
         tensors = dict(TENSORS)
-        if "shape" in attributes:  # store the fields in the 3-D shape the metadata claims
+        if "shape" in attributes:  # store the fields in the 4-D shape the metadata claims
             for key in [k for k in tensors if k.startswith(name + ":")]:
                 t = tensors[key]
-                tensors[key] = t.reshape(2, t.shape[0] // 2, *t.shape[1:])
+                tensors[key] = t.reshape(2, 1, t.shape[0] // 2, *t.shape[1:])
         metadata = _with_attributes(name, **attributes)
         try:
             S.unflatten_state_dict(tensors, metadata, source="fuzz")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+from transformers.core_model_loading import WeightConverter
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 
@@ -20,9 +19,10 @@ from ...core import memory
 from ...core.errors import AOQError, FormatError
 from ...core.registry import DTYPES, tensor_type
 from ...core.tensor import AOQTensor
-from ...quantize import Decision, plan, reads_only_by_linear, tie_groups
+from ...quantize import Decision, placed_for_kernels, plan, tie_groups
 from .config import AOQConfig
 from .ops import AOQLoad, AOQQuantize, _parent, _storage_key
+from .renames import guard_conversions, load_renaming, stored_names
 from .sizes import _quantized_nbytes
 from .tensor_parallel import TensorParallelLoad, probe_layout, refuse_sharded_calibration, refuse_sharded_save
 
@@ -57,7 +57,7 @@ class AOQHfQuantizer(HfQuantizer):
         self._layouts: dict[str, AOQTensor] = {}  # pre-quantized: parameter -> its tensor on the meta device
         self._nbytes: dict[str, int] = {}  # parameter -> bytes it takes once quantized
         self._plan: dict[str, Decision] = {}  # quantize-on-load: hf_aoq.quantize.plan of the empty model
-        self._linear_only: set[str] = set()  # parameters read only by nn.Linear: placed for a kernel
+        self._linear_only: set[str] = set()  # parameters placed for the kernels (quantize.placed_for_kernels)
         self._mismatched: set[str] = set()  # planned, but the checkpoint's value has another shape
         self._untied: dict[str, str] = {}  # input embedding weight -> output weight made from it
         self._serialized: dict[str, list[str]] = {}  # parameter leaf name -> stored key suffixes
@@ -90,7 +90,7 @@ class AOQHfQuantizer(HfQuantizer):
             self._read_checkpoint(model, checkpoint_files)
             self._check_stored_shapes(model)
             groups = tie_groups(model, getattr(model, "all_tied_weights_keys", None) or {})
-            self._linear_only = {n for n in self._entries if reads_only_by_linear(model, groups.get(n, (n,)))}
+            self._linear_only = {n for n in self._entries if placed_for_kernels(model, groups.get(n, (n,)))}
         else:
             self._plan_quantization(model)
             self._linear_only = {n for n, d in self._plan.items() if d.place}
@@ -138,23 +138,19 @@ class AOQHfQuantizer(HfQuantizer):
         sizes: dict[tuple, int] = {}
         for name, decision in self._plan.items():
             param = model.get_parameter(name)
-            if param.ndim != 2 or not param.is_floating_point():
-                kind = " (fused MoE experts are 3-D)" if param.ndim == 3 else ""
+            if param.ndim not in (2, 3) or not param.is_floating_point():
                 raise AOQError(
                     f"{name}: cannot quantize a {param.ndim}-D {param.dtype} parameter of shape "
-                    f"{tuple(param.shape)}; hf_aoq's tensor types hold 2-D float weights{kind}"
+                    f"{tuple(param.shape)}; hf_aoq's tensor types hold 2-D float weights and 3-D fused experts"
                 )
             cfg = decision.config
             # Only a tie's source is read from the checkpoint; tie_weights shares it afterwards.
             self._configs[name] = cfg
-            key = (cfg, tuple(param.shape), param.dtype)
+            matrix = tuple(param.shape[-2:])  # fused experts: E matrices, each quantized as a 2-D weight
+            key = (cfg, matrix, param.dtype)
             if key not in sizes:
-                sizes[key] = _quantized_nbytes(cfg, tuple(param.shape), param.dtype, name)
-            self._nbytes[name] = sizes[key]
-        try:
-            _check_not_renamed(model, list(self._configs))
-        except AOQError as e:  # fine in memory; say so now rather than at save_pretrained
-            warnings.warn(f"{e}. The quantized model works, but save_pretrained will refuse it.", stacklevel=2)
+                sizes[key] = _quantized_nbytes(cfg, matrix, param.dtype, name)
+            self._nbytes[name] = sizes[key] * (param.shape[0] if param.ndim == 3 else 1)
 
     def _untie_embeddings(self, model) -> None:
         """Give the output embedding its own weight, made from the input embedding's on load."""
@@ -192,9 +188,10 @@ class AOQHfQuantizer(HfQuantizer):
         source, entries = ckpt.source, ckpt.entries
 
         params = set(model.state_dict())
+        renamed = load_renaming(model)  # metadata names the tensors as stored (save renamed them)
         serialized: dict[str, set[str]] = {}
         for name, entry in entries.items():
-            target = _model_name(name, params, model.base_model_prefix)
+            target = _model_name(renamed(name), params, model.base_model_prefix)
             if target is None:
                 continue  # not part of this model: transformers reports it as unexpected
             # Build the tensor on the meta device from the headers: every check of the stored
@@ -203,7 +200,7 @@ class AOQHfQuantizer(HfQuantizer):
             self._layouts[target] = entry.build(fields, source=ckpt.file_of(entry))
             self._entries[target] = entry
             self._nbytes[target] = sum(t.numel() * t.element_size() for t in fields.values())
-            module_name, leaf = _parent(name)
+            module_name, leaf = _parent(renamed(name))
             head = f"{module_name}." if module_name else ""
             # Every tensor field the type declares may be stored, and (for an old schema) the
             # fields this checkpoint lists.
@@ -211,7 +208,7 @@ class AOQHfQuantizer(HfQuantizer):
             fields = set(cls.tensor_data_names) | set(cls.optional_tensor_data_names)
             suffixes = serialized.setdefault(leaf, set())
             suffixes.update(_storage_key(leaf, f) for f in fields)
-            suffixes.update(k.removeprefix(head) for k in entry.keys.values())
+            suffixes.update(renamed(k).removeprefix(head) for k in entry.keys.values())
         self._serialized = {leaf: sorted(suffixes) for leaf, suffixes in serialized.items()}
         self._source = source
 
@@ -226,8 +223,8 @@ class AOQHfQuantizer(HfQuantizer):
     def update_weight_conversions(self, weight_conversions, model):
         # The base class would also route a model's own converters (e.g. the merge of
         # per-expert weights into a fused tensor) through a dequantize op, in case their sources
-        # were stored quantized. hf_aoq never stores those: it quantizes 2-D weights only, and
-        # refuses at save time to store a quantized tensor that a conversion would rename.
+        # were stored quantized. hf_aoq never stores those: quantized fused experts are stored
+        # fused (renames.guard_conversions), so nothing quantized goes through a converter.
         return list(weight_conversions) + self.get_weight_conversions()
 
     def get_weight_conversions(self):
@@ -391,8 +388,15 @@ class AOQHfQuantizer(HfQuantizer):
                     )
             else:
                 owner[id(value)] = name
-        _check_not_renamed(model, [k for k, v in state.items() if isinstance(v, AOQTensor)])
-        tensors, metadata = serialization.flatten_state_dict({k: v.detach() for k, v in state.items()})
+        # Quantized tensors are stored under the names transformers' renamings give them on save,
+        # and its reverse conversions leave their field keys alone (renames.py).
+        stored = stored_names(model, [k for k, v in state.items() if isinstance(v, AOQTensor)])
+        taken = set(state) - set(stored)
+        clash = sorted(n for n, s in stored.items() if s != n and s in taken)
+        if clash:
+            raise AOQError(f"{type(model).__name__}: quantized {clash} would be stored under names other tensors have")
+        guard_conversions(model)
+        tensors, metadata = serialization.flatten_state_dict({stored.get(k, k): v.detach() for k, v in state.items()})
         # save_pretrained writes this metadata into every shard: one id per save lets a reader
         # tell a complete set from one that an interrupted save left half replaced.
         return tensors, {**metadata, serialization.SAVE_ID_KEY: serialization.new_save_id()}
@@ -449,24 +453,3 @@ def _model_name(name: str, params: set[str], prefix: str) -> str | None:
     if prefix and f"{prefix}.{name}" in params:
         return f"{prefix}.{name}"
     return None
-
-
-def _check_not_renamed(model, names: list[str]) -> None:
-    """Refuse to save quantized tensors that transformers would rename on the way to disk.
-
-    save_pretrained asks for the metadata before it reverts the model's checkpoint conversion
-    mapping (e.g. Mixtral's `mlp.` -> `block_sparse_moe.`), so a renamed key would no longer
-    match the metadata that names it.
-    """
-    probe = {name: torch.empty(0) for name in names}
-    try:
-        reverted = set(revert_weight_conversion(model, probe))
-    except Exception as e:  # a conversion op that cannot take the probe transforms these names
-        reverted = {f"<{type(e).__name__}: {e}>"}
-    moved = sorted(set(names) - reverted)
-    if moved:
-        raise AOQError(
-            f"transformers renames or converts {moved} when saving {type(model).__name__} (its checkpoint "
-            f"conversion mapping); hf_aoq cannot store a quantized tensor under a changed name. Leave these "
-            f"parameters unquantized (AOQConfig modules_to_not_convert, or None for them in the FqnToConfig)"
-        )

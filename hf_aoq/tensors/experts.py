@@ -1,0 +1,254 @@
+"""Fused MoE experts: a 3-D [E, N, K] weight as one quantized tensor, and the ops MoE layers run on it.
+
+A 3-D tensor of any block-grid type holds E experts, each quantized by the type's 2-D rule;
+every tensor field gains a leading expert dimension (docs/format.md "Fused experts") and
+`block_size` a leading 1. `quantize_experts` builds one from a float weight, `expert` views one
+expert as the type's 2-D tensor, and `map_experts` applies a 2-D function (a device packing, its
+undoing) to each expert and stacks the results back into one tensor.
+
+The ops, as transformers 5's MoE forwards use them (integrations/moe.py, modeling_mixtral.py,
+modeling_gpt_oss.py):
+  - `w[e]` (aten.select) is expert e, `w[ids]` (aten.index) the experts `ids` gathered into a
+    3-D tensor; `F.linear(x, w[e])` then runs the fast 2-D kernels (the "eager" forward);
+  - `w.transpose(-2, -1)` is a `TransposedExperts` view, which `torch._grouped_mm` /
+    `F.grouped_mm` (the "grouped_mm" forward) and `torch.bmm` take;
+  - `torch.bmm(w[ids], x)` (the "batched_mm" forward) and `torch._grouped_mm(x, w, offs)` with w
+    stored [E, K, N] (gpt-oss) run expert by expert.
+Expert by expert means one `kernels.linear` per expert that got tokens (an expert with none is
+skipped), so the kernel table picks the CPU kernels for packed experts and the reference
+(dequantize, then the float op) elsewhere; any other op sees the dequantized weight.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from .. import kernels
+from ..core.errors import AOQError
+from ..core.tensor import AOQTensor
+from .common import BlockGridTensor, _dequantized_call
+
+aten = torch.ops.aten
+
+
+def is_experts(t) -> bool:
+    with torch._C.DisableTorchFunctionSubclass():  # `t.shape` through __torch_function__ is slow
+        return len(t.shape) == 3
+
+
+# ---------------------------------------------------------------------- building and mapping
+def quantize_experts(from_float, weight: torch.Tensor, name: str, **options) -> AOQTensor:
+    """`from_float` (a type's 2-D constructor) applied to each expert of a float [E, N, K]
+    weight, the results stacked into one 3-D tensor."""
+    if isinstance(weight, AOQTensor):
+        raise AOQError(f"{name} is already quantized ({type(weight).__name__})")
+    if weight.ndim != 3 or weight.numel() == 0:
+        raise AOQError(f"{name}: fused experts are a non-empty 3-D [E, N, K] weight, got shape {tuple(weight.shape)}")
+    return stack_experts([from_float(weight[e], name=f"{name} (expert {e})", **options) for e in range(weight.shape[0])])
+
+
+def stack_experts(parts: list[AOQTensor]) -> AOQTensor:
+    """One 3-D tensor from 2-D tensors of one type, attributes and field shapes alike."""
+    first = parts[0]
+    names = list(first.tensor_fields())
+    for i, p in enumerate(parts[1:], 1):
+        if type(p) is not type(first) or p.attributes() != first.attributes() or list(p.tensor_fields()) != names:
+            raise AOQError(f"expert {i} ({p!r}) does not match expert 0 ({first!r}); experts must share one layout")
+    fields = {n: torch.stack([p.tensor_fields()[n] for p in parts]) for n in names}
+    return first.replace(**fields, shape=(len(parts), *first.shape), block_size=(1, *first.block_size))
+
+
+def expert(t: AOQTensor, e: int) -> AOQTensor:
+    """Expert e of a 3-D tensor, as the type's 2-D tensor (its fields are views)."""
+    return t.replace(**{n: f[e] for n, f in t.tensor_fields().items()}, shape=tuple(t.shape[1:]),
+                     block_size=tuple(t.block_size[1:]))
+
+
+def map_experts(t: AOQTensor, fn) -> AOQTensor:
+    """`fn` (2-D tensor -> 2-D tensor) applied to each expert of `t`, stacked back."""
+    return stack_experts([fn(expert(t, e)) for e in range(t.shape[0])])
+
+
+def dequantize_experts(t: AOQTensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return torch.stack([expert(t, e).dequantize(dtype) for e in range(t.shape[0])])
+
+
+# ---------------------------------------------------------------------- indexing
+@BlockGridTensor.implements(aten.select.int)
+def _select(func, types, args, kwargs):
+    self, dim, index = args[0], args[1], args[2]
+    if not is_experts(self) or dim % 3 != 0:
+        raise NotImplementedError(f"{type(self).__name__} supports select on the expert dimension of a 3-D weight only")
+    e = index + self.shape[0] if index < 0 else index
+    if not 0 <= e < self.shape[0]:
+        raise IndexError(f"expert {index} is out of range for {self.shape[0]} experts")
+    return return_and_correct_aliasing(func, args, kwargs, expert(self, e))
+
+
+@BlockGridTensor.implements(aten.index.Tensor)
+def _index(func, types, args, kwargs):
+    self, indices = args[0], args[1]
+    ids = indices[0] if len(indices) == 1 else None
+    if not is_experts(self) or ids is None or ids.dtype not in (torch.int64, torch.int32) or ids.ndim != 1:
+        return _dequantized_call(func, args, kwargs)  # any other indexing, on the float weight
+    ids = ids.to(torch.int64)
+    e = self.shape[0]
+    if ids.numel() and bool(((ids < -e) | (ids >= e)).any()):
+        raise IndexError(f"expert index out of range for {e} experts")
+    ids = torch.where(ids < 0, ids + e, ids)
+    fields = {n: f.index_select(0, ids) for n, f in self.tensor_fields().items()}
+    return self.replace(**fields, shape=(ids.numel(), *self.shape[1:]))
+
+
+# ---------------------------------------------------------------------- the transposed view
+class TransposedExperts(torch.Tensor):
+    """`w.transpose(-2, -1)` of a 3-D quantized experts tensor `w` [E, N, K]: shape [E, K, N],
+    which grouped_mm and bmm take as their right operand. Made per forward, never saved; any op
+    but those (and transposing back) runs on the dequantized transpose."""
+
+    experts: AOQTensor
+
+    @staticmethod
+    def __new__(cls, experts: AOQTensor):
+        e, n, k = experts.shape
+        self = torch.Tensor._make_wrapper_subclass(cls, (e, k, n), dtype=experts.dtype, device=experts.device)
+        self.experts = experts
+        return self
+
+    def __repr__(self):
+        return f"TransposedExperts({self.experts!r})"
+
+    def __tensor_flatten__(self):
+        return ["experts"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return TransposedExperts(inner["experts"])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = _OPS.get(func)
+        if impl is not None:
+            return impl(func, types, args, kwargs)
+        if func in _TRANSPOSES and _swaps_last_two(args, kwargs, 3):
+            return args[0].experts
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def plain(t):
+            return t.experts.dequantize().transpose(-2, -1) if isinstance(t, TransposedExperts) else t
+
+        if func in (aten.detach.default, aten.alias.default):
+            return TransposedExperts(args[0].experts)
+        return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
+
+
+_TRANSPOSES = (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)
+
+
+def _swaps_last_two(args, kwargs, ndim: int) -> bool:
+    dims = list(args[1:3]) + [kwargs[k] for k in ("dim0", "dim1", "axis0", "axis1") if k in kwargs]
+    return len(dims) == 2 and sorted(d % ndim for d in dims) == [ndim - 2, ndim - 1]
+
+
+def _transpose(func, types, args, kwargs):
+    self = args[0]
+    if isinstance(self, AOQTensor) and is_experts(self) and _swaps_last_two(args, kwargs, 3):
+        return TransposedExperts(self)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+BlockGridTensor.implements_torch_function(*_TRANSPOSES)(_transpose)
+
+
+# ---------------------------------------------------------------------- expert by expert
+def _experts_of(w) -> tuple[AOQTensor, bool] | None:
+    """(the 3-D quantized tensor, whether the operand is its [E, K, N] transposed view), or None."""
+    if isinstance(w, TransposedExperts):
+        return w.experts, True
+    if isinstance(w, AOQTensor) and is_experts(w):
+        return w, False
+    return None
+
+
+def _times(x: torch.Tensor, w: AOQTensor, transposed: bool) -> torch.Tensor:
+    """x @ w_e.T for a transposed view (a linear: the fast kernels), x @ w_e otherwise."""
+    if transposed:
+        return kernels.linear(x, w, None)
+    return torch.matmul(x, w)  # w_e stored [K, N] (gpt-oss): hf_aoq's matmul, the reference for most types
+
+
+def grouped_mm(x: torch.Tensor, w, offs: torch.Tensor | None, bias=None, out_dtype=None) -> torch.Tensor:
+    """torch._grouped_mm with a quantized right operand: for a 2-D x [S, K], the rows of group e
+    (offs[e - 1]:offs[e], int32 ends) times expert e, rows past offs[-1] zero; for a 3-D x
+    [E, M, K], x[e] times expert e."""
+    ws, transposed = _experts_of(w)
+    n = w.shape[-1]
+    if x.ndim == 3:
+        if offs is not None:
+            raise AOQError("grouped_mm: offs must be None for a 3-D left operand")
+        out = torch.stack([_times(x[e], expert(ws, e), transposed) for e in range(ws.shape[0])]) if x.shape[0] \
+            else x.new_zeros(0, x.shape[1], n)
+    else:
+        if offs is None or offs.ndim != 1 or offs.numel() != ws.shape[0]:
+            raise AOQError(f"grouped_mm: offs must be a 1-D tensor of {ws.shape[0]} group ends, got "
+                           f"{None if offs is None else tuple(offs.shape)}")
+        out = x.new_zeros(x.shape[0], n)
+        start = 0
+        for e, end in enumerate(offs.tolist()):
+            if end > start:  # an expert that got no tokens costs nothing
+                rows = _times(x[start:end], expert(ws, e), transposed)
+                out[start:end] = rows if bias is None else rows + bias[e]
+            start = max(start, end)
+    if x.ndim == 3 and bias is not None:
+        out = out + bias.unsqueeze(1)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _grouped_mm_fn(func, types, args, kwargs):
+    names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+    bound = dict(zip(names, args), **kwargs)
+    a, b = bound["mat_a"], bound["mat_b"]
+    if _experts_of(b) is None or isinstance(a, (AOQTensor, TransposedExperts)):
+        return _dequantized_call(func, args, kwargs)
+    return grouped_mm(a, b, bound.get("offs"), bound.get("bias"), bound.get("out_dtype"))
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm with one quantized 3-D operand, batch element by batch element."""
+    left = _experts_of(a)
+    if left is not None:  # w [B, N, K] @ x [B, K, M]: (x.mT @ w.T).mT
+        ws, transposed = left
+        if b.shape[0] == 0:
+            return b.new_zeros(0, a.shape[1], b.shape[2])
+        if transposed:  # w.mT [B, K, N] @ x [B, N, M]
+            return torch.stack([torch.matmul(b[i].mT, expert(ws, i)).mT for i in range(b.shape[0])])
+        return torch.stack([kernels.linear(b[i].mT, expert(ws, i), None).mT for i in range(b.shape[0])])
+    ws, transposed = _experts_of(b)
+    if a.shape[0] == 0:
+        return a.new_zeros(0, a.shape[1], b.shape[2])
+    return torch.stack([_times(a[i], expert(ws, i), transposed) for i in range(a.shape[0])])
+
+
+def _bmm_fn(func, types, args, kwargs):
+    a, b = args[0], args[1]
+    quantized = [_experts_of(t) is not None for t in (a, b)]
+    if kwargs or sum(quantized) != 1 or any(isinstance(t, AOQTensor) and not is_experts(t) for t in (a, b)):
+        return _dequantized_call(func, [_plain_view(t) for t in args], kwargs)
+    return bmm(a, b)
+
+
+def _plain_view(t):
+    return t.experts.dequantize().transpose(-2, -1) if isinstance(t, TransposedExperts) else t
+
+
+_GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)
+_BMM = (torch.bmm, torch.Tensor.bmm)
+_OPS = {**{f: _grouped_mm_fn for f in _GROUPED_MM}, **{f: _bmm_fn for f in _BMM}}
+BlockGridTensor.implements_torch_function(*_GROUPED_MM)(_grouped_mm_fn)
+BlockGridTensor.implements_torch_function(*_BMM)(_bmm_fn)
