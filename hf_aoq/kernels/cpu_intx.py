@@ -47,8 +47,11 @@ def intx_linear_io(
     x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bits: int,
     group_size: int, k: int, bias: Optional[torch.Tensor], int8_activations: bool,
 ) -> torch.Tensor:
-    return cpu_ext.load().intx_linear_io(x, qdata, scale, zero, bits, group_size, k, bias, INTX_GEMV_MAX_ROWS,
-                                         int8_activations)
+    # Inference kernels, as every C++ row: no autograd graph (the float GEMM above the GEMV rows
+    # writes into an output tensor, which autograd refuses when the bias requires grad).
+    with torch.no_grad():
+        return cpu_ext.load().intx_linear_io(x, qdata, scale, zero, bits, group_size, k, bias, INTX_GEMV_MAX_ROWS,
+                                             int8_activations)
 
 
 def intx_linear(x, qdata, scale, zero, bits, group_size, in_features, bias=None):

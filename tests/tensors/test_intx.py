@@ -119,9 +119,16 @@ def test_act_quant_fake_quantizes_inputs_as_int8_does():
     codes, scale = hf_aoq.Int8Tensor.from_float(w, act_quant="per_token").quantize_input(x)
     xq = codes.float() * scale
     assert torch.equal(t.simulate_input_quantization(x), xq)
-    assert torch.equal(F.linear(x, t), F.linear(xq, t.dequantize()))
+    # The reference kernel is exactly the fake-quantized matmul; the table's fast row (the C++
+    # GEMV where the extension is built, tests/kernels/test_intx_kernels.py) agrees closely.
+    from hf_aoq.kernels import registry
+
+    reference = next(k for k in registry.kernels_for("linear", "IntxTensor") if k.name == "reference")
+    assert torch.equal(reference.fn(x, t, None), F.linear(xq, t.dequantize()))
+    torch.testing.assert_close(F.linear(x, t), F.linear(xq, t.dequantize()), rtol=0, atol=1e-4)
     weight_only = IntxTensor.from_float(w, 4, 32)
-    assert torch.equal(F.linear(x, weight_only), F.linear(x, weight_only.dequantize()))
+    assert torch.equal(reference.fn(x, weight_only, None), F.linear(x, weight_only.dequantize()))
+    torch.testing.assert_close(F.linear(x, weight_only), F.linear(x, weight_only.dequantize()), rtol=0, atol=0.05)
 
 
 # ---------------------------------------------------------------------- configs
@@ -226,7 +233,9 @@ def test_quantize_save_reload_and_compile(config, tmp_path):
     assert all(isinstance(m[i].weight, IntxTensor) for i in (0, 2))
     eager = m(x)
     w0 = m[0].weight
-    assert torch.equal(m[0](x), F.linear(w0.simulate_input_quantization(x), w0.dequantize(), m[0].bias))
+    # The C++ row where it runs (else the reference, exactly this) agrees within bf16 rounding.
+    torch.testing.assert_close(m[0](x), F.linear(w0.simulate_input_quantization(x), w0.dequantize(), m[0].bias),
+                               rtol=2e-2, atol=2e-2)
     path = tmp_path / "m.safetensors"
     serialization.save_file(m.state_dict(), str(path))
     sd = serialization.load_file(str(path))
@@ -237,7 +246,8 @@ def test_quantize_save_reload_and_compile(config, tmp_path):
             assert torch.equal(t, getattr(b, f)), f
     torch._dynamo.reset()
     compiled = torch.compile(m, backend="inductor", fullgraph=True)
-    assert torch.equal(compiled(x), eager)
+    with torch.no_grad():  # inference, as the other compile tests: the C++ rows have no autograd formula
+        assert torch.equal(compiled(x), eager)
 
 
 def test_fqn_to_config_mixes_intx_with_other_schemes():
