@@ -154,7 +154,7 @@ def test_analyze_command_prints_the_table_and_writes_json(tiny_llama_dir, tmp_pa
     printed = capsys.readouterr().out
     assert rc == 0 and "d loss (pred)" in printed and len([l for l in printed.splitlines() if " int8 " in l]) == 2
     data = json.loads(out.read_text())
-    assert data["tokens"] == 127 and [c["name"] for c in data["candidates"]] == ["int4", "int8"]
+    assert data["tokens"] == 128 and [c["name"] for c in data["candidates"]] == ["int4", "int8"]
     assert len(data["layers"]) == 2 * 7 + 2  # linears of two blocks, lm_head, the embedding
     assert cli.main(["analyze", str(tiny_llama_dir), "--calibration", str(tmp_path / "none.txt")]) == 2
     assert "no such text file" in capsys.readouterr().err
