@@ -67,6 +67,8 @@ EXAMPLES = """examples:
   hf-aoq quantize ./my-model --scheme int8 --out my-int8 --push-to-hub me/my-model-int8 --private
   hf-aoq push smol-int4 me/smol-int4                              push a saved folder later
   hf-aoq inspect smol-int4 --error ./float-model                   per-tensor sizes and error
+  hf-aoq analyze ./my-model --calibration text.txt --schemes int4,int8 which layers lose most
+  hf-aoq quantize ./my-model --bits 4.5 --calibration text.txt --out m   mixed precision at 4.5 bits/weight
   hf-aoq generate smol-int4 "The capital of France is"             text and tokens/s
   hf-aoq export smol-int4 smol-w4a16 --format compressed-tensors   for vLLM / SGLang (bit-exact)
   hf-aoq export smol-q4 smol.gguf --format gguf                    for llama.cpp (bit-exact from --target gguf)
@@ -119,6 +121,13 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                         "(slower; loads the float model first)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
                    help="how many tokens of --calibration to use (default 2048)")
+    p.add_argument("--bits", type=float, metavar="B",
+                   help="mixed precision: give each linear the scheme (among --schemes) that loses least at an "
+                        "average of at most B bits per weight, measured on --calibration (needs it); "
+                        "`hf-aoq analyze` shows the per-layer figures it chooses from")
+    p.add_argument("--schemes", metavar="LIST",
+                   help="with --bits: the schemes to choose among, comma-separated, as `hf-aoq analyze` takes them "
+                        "(default int4:g64,int4,int8)")
     p.add_argument("--out", required=out_required, metavar="DIR", help="folder to save the quantized checkpoint in")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the checkpoint in --out: every old file goes, and a failure keeps the old one")
@@ -181,7 +190,8 @@ def quantize_command(args) -> int:
                                      calibration_tokens=args.calibration_tokens, load=load)
     else:
         config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
-                                  args.calibration_tokens)
+                                  args.calibration_tokens, bits=getattr(args, "bits", None),
+                                  candidates=getattr(args, "schemes", None))
     if args.max_shard_size is not None:
         parse_size(args.max_shard_size)  # a typo is reported before anything loads
     push = _push_target(args, args.push_to_hub) if args.push_to_hub else None
@@ -270,6 +280,24 @@ def inspect_command(args) -> int:
         print(f"  {problem}")
     failing = sum(t.error is not None for t in info.tensors) + len(info.problems)
     raise UsageError(f"{args.dir}: {failing} tensor(s) or key(s) do not load (listed above)")
+
+
+# ---------------------------------------------------------------------- analyze
+def analyze_command(args) -> int:
+    """`hf-aoq analyze MODEL --calibration FILE --schemes LIST`: hf_aoq.sensitivity, as a table and JSON."""
+    from .workflows import LoadOptions
+    from .workflows.analysis import analyze_model
+    from .workflows.common import log
+
+    load = LoadOptions(dtype=args.dtype, device_map=_device_map(args), revision=args.revision,
+                       trust_remote_code=args.trust_remote_code, token=args.token)
+    report = analyze_model(args.model, args.calibration, args.schemes, tokens=args.tokens, exact=args.exact,
+                           include_embeddings=args.embeddings, skip=args.skip, json_path=args.json, load=load)
+    print(report.table(args.top or None))
+    log(f"{len(report.layers)} weights x {len(report.candidates)} schemes on {report.tokens} tokens in "
+        f"{report.seconds:.1f} s; float loss {report.base_loss:.4f}; 'd loss' is the predicted change of the mean "
+        f"next-token loss with only that weight quantized" + (f"; JSON in {args.json}" if args.json else ""))
+    return 0
 
 
 # ---------------------------------------------------------------------- generate, convert, demo
@@ -371,6 +399,37 @@ def build_parser() -> argparse.ArgumentParser:
                 "  hf-aoq quantize owner/model --scheme int4 --out m --push-to-hub me/model-int4 --private",
                 quantize_command)
     add_quantize_arguments(p)
+
+    p = command("analyze", "per-layer sensitivity: what each scheme costs each weight (table and JSON)",
+                textwrap.fill("For every linear and embedding weight and every scheme of --schemes: bits per weight, "
+                              "weight SQNR, the layer's output SQNR on the --calibration text, and the predicted "
+                              "change of the model's loss when only that weight is quantized (one forward and "
+                              "backward pass of the float model; --exact N also measures it exactly for the N worst "
+                              "weights). Worst weights first. `hf-aoq quantize --bits B` chooses from these "
+                              "figures.", 96),
+                "examples:\n  hf-aoq analyze HuggingFaceTB/SmolLM2-135M --calibration wiki.txt --schemes int4,int8\n"
+                "  hf-aoq analyze ./model --calibration wiki.txt --schemes int4:g64,int4,int4-plain:g128,int8,bf16 "
+                "--json report.json --top 40", analyze_command)
+    p.add_argument("model", help="a local checkpoint folder (./path) or a Hub model id (owner/name)")
+    p.add_argument("--calibration", required=True, metavar="FILE", help="a UTF-8 text file to measure on")
+    p.add_argument("--schemes", default="int4,int8", metavar="LIST",
+                   help="comma-separated schemes (names of --scheme; :gN sets a group size, e.g. int4-plain:g32; "
+                        "bf16 keeps float); default int4,int8")
+    p.add_argument("--tokens", type=int, default=2048, metavar="N", help="calibration tokens to use (default 2048)")
+    p.add_argument("--exact", type=int, default=0, metavar="N",
+                   help="also measure the exact loss change for the N worst weights (a forward pass per weight and "
+                        "scheme)")
+    p.add_argument("--top", type=int, default=20, metavar="N", help="weights to list (default 20; 0: all)")
+    p.add_argument("--json", metavar="FILE", help="write the whole report here as JSON")
+    p.add_argument("--no-embeddings", dest="embeddings", action="store_false", help="leave embedding weights out")
+    p.add_argument("--skip", nargs="+", action="extend", metavar="NAME", default=[],
+                   help="modules to leave out (names or regexes, as quantize --skip)")
+    p.add_argument("--dtype", default="bf16", help="dtype to load the model in (default bf16)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--device-map", metavar="MAP", help="transformers' device_map")
+    p.add_argument("--revision", help="branch, tag or commit of a Hub MODEL")
+    p.add_argument("--trust-remote-code", action="store_true", help="run the model's own code from the Hub")
+    p.add_argument("--token", help="Hub token for a private or gated repo")
 
     p = command("push", "upload a saved checkpoint folder to the Hub (one commit)",
                 "Upload a checkpoint folder saved by `hf-aoq quantize` (or save_pretrained) to a Hub repo, created "

@@ -118,6 +118,36 @@ def hf_aoq_options(calibration):
         )
 
 
+# Mixed precision (hf_aoq.mixed_precision): one sensitivity report on the calibration tokens,
+# made once per run (or read with --sensitivity), then a recipe per budget. The schemes are the
+# weight-only ones (the report measures weight error; mx and -dyn also quantize activations);
+# a sub-4-bit scheme joins the list once hf_aoq.configs.SCHEMES has one.
+MIXED_CANDIDATES = ["int4", "int4-plain", "int4-plain:g256", "int8"] + [s for s in ("int3", "int2") if s in hf_aoq.configs.SCHEMES]
+MIXED_BUDGETS = (4.2, 4.25, 4.3, 4.5, 5.0, 4.0, 3.5)
+_REPORT = {}
+
+
+def mixed_options(calibration, report_path=None):
+    from hf_aoq.mixed_precision import apply_plan, choose_recipe
+    from hf_aoq.sensitivity import SensitivityReport, analysis_plan, parse_candidates, sensitivity
+
+    def apply(m, bits):
+        decisions = analysis_plan(m, parse_candidates(MIXED_CANDIDATES), filter_fn=not_lm_head, include_embeddings=False)
+        if "report" not in _REPORT:
+            if report_path:
+                with open(report_path) as f:
+                    _REPORT["report"] = SensitivityReport.from_dict(json.load(f), where=report_path)
+            else:
+                _REPORT["report"] = sensitivity(m, MIXED_CANDIDATES, [torch.cat(calibration)], decisions=decisions)
+        report = _REPORT["report"]
+        chosen = choose_recipe(report, bits, candidates=MIXED_CANDIDATES)
+        apply_plan(m, chosen, decisions)
+        return chosen
+
+    for bits in MIXED_BUDGETS:
+        yield f"hf_aoq mixed precision <= {bits} bits ({','.join(MIXED_CANDIDATES)})", lambda m, b=bits: apply(m, b)
+
+
 def peer_options():
     if importlib.util.find_spec("torchao"):
         def torchao_int4(m):
@@ -136,6 +166,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="run only the options whose name contains one of these")
     parser.add_argument("--json", help="also write the table as JSON here")
+    parser.add_argument("--sensitivity", metavar="REPORT.json",
+                        help="mixed-precision rows: read this sensitivity report (hf_aoq.sensitivity, made on the "
+                             "calibration tokens) instead of measuring one (its time is then not in quantize (s))")
     args = parser.parse_args()
 
     base, tokenizer = smollm2.load(torch.bfloat16)
@@ -147,17 +180,27 @@ def main() -> None:
     rows = [{"option": "bf16", "ppl": baseline, "bits_per_weight": 16.0, "quantize_s": 0.0}]
     print(f"| option | bits/weight | perplexity | vs bf16 | quantize (s) |\n|---|---|---|---|---|")
     print(f"| bf16 | 16 | {baseline:.2f} | | |", flush=True)
-    for name, apply in [*hf_aoq_options(calibration), *peer_options()]:
+    for name, apply in [*hf_aoq_options(calibration), *mixed_options(calibration, args.sensitivity), *peer_options()]:
         if args.only and not any(s in name for s in args.only):
             continue
         model = copy.deepcopy(base)
         start = time.perf_counter()
-        apply(model)
+        try:
+            chosen = apply(model)
+        except hf_aoq.AOQError as e:  # e.g. a budget below every candidate
+            print(f"| {name} | | not possible: {e} | | |", flush=True)
+            continue
         seconds = time.perf_counter() - start
         ppl = P.perplexity(model, scored)
         bits = weight_bits(model)
-        rows.append({"option": name, "ppl": ppl, "bits_per_weight": bits, "quantize_s": seconds})
-        print(f"| {name} | {bits:.2f} | {ppl:.2f} | {100 * (ppl / baseline - 1):+.1f}% | {seconds:.1f} |", flush=True)
+        row = {"option": name, "ppl": ppl, "bits_per_weight": bits, "quantize_s": seconds}
+        note = ""
+        if hasattr(chosen, "predicted_perplexity"):  # mixed precision: what it expected
+            row["predicted_ppl"] = chosen.predicted_perplexity(baseline)
+            row["mix"] = chosen.counts
+            note = f" (predicted {row['predicted_ppl']:.2f}; {', '.join(f'{k} x{v}' for k, v in chosen.counts.items())})"
+        rows.append(row)
+        print(f"| {name} | {bits:.2f} | {ppl:.2f}{note} | {100 * (ppl / baseline - 1):+.1f}% | {seconds:.1f} |", flush=True)
         del model
     if args.json:
         tmp = args.json + ".tmp"

@@ -92,3 +92,33 @@ def tiny_model(dtype=torch.bfloat16, tied=False) -> TinyModel:
     """A seeded TinyModel in `dtype`, in eval mode."""
     torch.manual_seed(0)
     return TinyModel(tied=tied).to(dtype).eval()
+
+
+def markov_tokens(n_seq: int, length: int, vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    """[n_seq, length] ids from a fixed random Markov chain (each token has four likely successors):
+    text a bigram model can learn, so that a trained model's loss is far below log(vocab)."""
+    g = torch.Generator().manual_seed(1234)
+    successors = torch.randint(0, vocab, (vocab, 4), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.empty(n_seq, length, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab, (n_seq,), generator=g)
+    for t in range(1, length):
+        ids[:, t] = successors[ids[:, t - 1], torch.randint(0, 4, (n_seq,), generator=g)]
+    return ids
+
+
+def trained_tiny_model(steps: int = 150) -> TinyModel:
+    """A float32 TinyModel trained (seeded, a few seconds) on markov_tokens: a model whose loss
+    quantization measurably raises, for sensitivity and mixed-precision tests."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = markov_tokens(64, 33, seed=1)
+    for step in range(steps):
+        ids = data[(step * 16) % 64:(step * 16) % 64 + 16]
+        logits = model(ids)[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

@@ -43,12 +43,17 @@ def load_recipe(path):
         raise UsageError(f"{e} (write the file with hf_aoq.configs.recipe_to_dict)") from None
 
 
-def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calibration=None, calibration_tokens=2048):
+def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calibration=None, calibration_tokens=2048,
+                     *, bits=None, candidates=None):
     """The AOQConfig for `hf-aoq quantize`: `scheme` (+ `group_size`, which changes only that
     scheme's group size, never its type) is the config of every linear layer the recipe does
     not name; a `recipe` (FqnToConfig, or a path to its JSON) comes first; `skip` names modules
     to leave in float; `calibration` is a text file for GPTQ (plain int4) and for the static
-    activation scales of fp8-static (which needs it)."""
+    activation scales of fp8-static (which needs it). `bits` asks for mixed precision at that
+    average (among `candidates`, comma-separated scheme names), measured on `calibration`; it
+    replaces `scheme` and `recipe`."""
+    if bits is not None or candidates is not None:
+        return _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens)
     from ..configs import FqnToConfig, config_for_scheme
     from ..integrations.transformers import AOQConfig
 
@@ -85,6 +90,25 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
     try:
         return AOQConfig(quant_type, modules_to_not_convert=list(skip) if skip else None,
                          calibration=calibration, calibration_tokens=calibration_tokens)
+    except AOQError as e:
+        raise UsageError(str(e)) from None
+
+
+def _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens):
+    from ..integrations.transformers import AOQConfig
+
+    if bits is None:
+        raise UsageError("--schemes lists the schemes --bits chooses among; give --bits too")
+    if scheme is not None or recipe is not None:
+        raise UsageError("--bits chooses the scheme of every layer (among --schemes); drop --scheme/--recipe")
+    if calibration is None:
+        raise UsageError("--bits needs --calibration FILE: a text to measure each layer's sensitivity on")
+    if not Path(calibration).is_file():
+        raise UsageError(f"--calibration {calibration}: no such text file")
+    names = None if candidates is None else [c.strip() for c in candidates.split(",") if c.strip()]
+    try:
+        return AOQConfig(None, modules_to_not_convert=list(skip) if skip else None, calibration=calibration,
+                         calibration_tokens=calibration_tokens, target_bits_per_weight=bits, candidates=names)
     except AOQError as e:
         raise UsageError(str(e)) from None
 
@@ -194,6 +218,11 @@ def quantize_checkpoint(model: str, config, out, *, load: LoadOptions | None = N
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"cannot load {model}: {first}") from e
     seconds = time.perf_counter() - start
+    mixed = getattr(getattr(quantized, "hf_quantizer", None), "mixed_precision", None)
+    if mixed is not None:
+        chosen, measured = mixed
+        log(f"{chosen.summary()}; calibration-text perplexity predicted {chosen.predicted_perplexity():.3f}, "
+            f"measured {measured:.3f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.hf_aoq-{secrets.token_hex(4)}.tmp"
     staging.mkdir()

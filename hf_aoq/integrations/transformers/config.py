@@ -26,7 +26,11 @@ _CONFIG_KEYS = (
     "dequantize",
     "calibration",
     "calibration_tokens",
+    "target_bits_per_weight",
+    "candidates",
 )
+# The schemes mixed precision chooses among when AOQConfig(target_bits_per_weight=...) names none.
+DEFAULT_CANDIDATES = ("int4:g64", "int4", "int8")
 
 
 class AOQConfig(QuantizationConfigMixin):
@@ -46,6 +50,15 @@ class AOQConfig(QuantizationConfigMixin):
                              Float8StaticActivationFloat8WeightConfig without one (which needs
                              it); slower, and the float model is in memory once
     calibration_tokens       how many tokens of `calibration` to use (default 2048)
+    target_bits_per_weight   mixed precision (hf_aoq.mixed_precision): load the float weights, measure
+                             each candidate on each planned weight with `calibration`, and give each
+                             weight the candidate that minimises the predicted loss increase at an
+                             average of at most this many bits per weight; quant_type then only says
+                             which weights are planned (default: every linear, as the first candidate).
+                             Once done, quant_type is the chosen FqnToConfig (what config.json stores)
+    candidates               the scheme names to choose among (hf_aoq.sensitivity.parse_candidate:
+                             "int4", "int4:g64", "int8", "int4-plain:g128", "bf16", ...; default
+                             DEFAULT_CANDIDATES)
     """
 
     def __init__(
@@ -58,6 +71,8 @@ class AOQConfig(QuantizationConfigMixin):
         calibration: str | None = None,
         calibration_tokens: int = 2048,
         include_embeddings: bool | None = None,
+        target_bits_per_weight: float | None = None,
+        candidates: list[str] | None = None,
     ):
         include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
         for name, value in (
@@ -68,6 +83,11 @@ class AOQConfig(QuantizationConfigMixin):
         ):
             if not isinstance(value, bool):
                 raise AOQError(f"AOQConfig.{name} must be True or False, got {value!r}")
+        candidates = _check_mixed_precision(target_bits_per_weight, candidates, calibration)
+        if quant_type is None and target_bits_per_weight is not None:
+            from ...sensitivity import parse_candidates
+
+            quant_type = next(c.config for c in parse_candidates(candidates) if c.config is not None)
         if quant_type is None and not dequantize:
             raise AOQError("AOQConfig needs a quant_type: a quantization config or an FqnToConfig")
         if quant_type is not None and not isinstance(quant_type, (AOQBaseConfig, FqnToConfig)):
@@ -95,6 +115,8 @@ class AOQConfig(QuantizationConfigMixin):
                            "calibration; give scale=<a positive number> or calibration=<a text file>")
         self.calibration = None if calibration is None else os.fspath(calibration)
         self.calibration_tokens = calibration_tokens
+        self.target_bits_per_weight = None if target_bits_per_weight is None else float(target_bits_per_weight)
+        self.candidates = candidates
         self.quant_method = QUANT_METHOD
         self.quant_type = quant_type
         self.modules_to_not_convert = modules_to_not_convert
@@ -116,6 +138,8 @@ class AOQConfig(QuantizationConfigMixin):
             # Written only when used, so that older readers still read every other config.
             **({"calibration": self.calibration, "calibration_tokens": self.calibration_tokens}
                if self.calibration is not None else {}),
+            **({"target_bits_per_weight": self.target_bits_per_weight, "candidates": list(self.candidates)}
+               if self.target_bits_per_weight is not None else {}),
         }
 
     @classmethod
@@ -164,6 +188,14 @@ class AOQConfig(QuantizationConfigMixin):
         if isinstance(tokens, bool) or not isinstance(tokens, int):
             raise FormatError(f"{where}.calibration_tokens: expected an integer, got {tokens!r}")
         args["calibration_tokens"] = tokens
+        bits = config_dict.get("target_bits_per_weight")
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, (int, float))):
+            raise FormatError(f"{where}.target_bits_per_weight: expected a number or null, got {bits!r}")
+        args["target_bits_per_weight"] = bits
+        candidates = config_dict.get("candidates")
+        if candidates is not None and not (isinstance(candidates, list) and all(isinstance(c, str) for c in candidates)):
+            raise FormatError(f"{where}.candidates: expected a list of scheme names or null, got {candidates!r}")
+        args["candidates"] = candidates
         unused = {}
         for key, value in kwargs.items():
             if key in args:
@@ -195,6 +227,27 @@ class AOQConfig(QuantizationConfigMixin):
         return isinstance(other, AOQConfig) and self.to_dict() == other.to_dict()
 
     __hash__ = None
+
+
+def _check_mixed_precision(bits, candidates, calibration) -> list[str] | None:
+    """The candidates of a mixed-precision config (checked by name), or None without a target."""
+    if bits is None:
+        if candidates is not None:
+            raise AOQError("AOQConfig.candidates are for mixed precision: give target_bits_per_weight too")
+        return None
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits <= 32:
+        raise AOQError(f"AOQConfig.target_bits_per_weight must be a number of bits per weight in (0, 32], got {bits!r}")
+    if calibration is None:
+        raise AOQError("AOQConfig.target_bits_per_weight needs calibration text (calibration=path) to measure "
+                       "each layer's sensitivity on")
+    if candidates is None:
+        candidates = list(DEFAULT_CANDIDATES)
+    if isinstance(candidates, str) or not all(isinstance(c, str) for c in candidates):
+        raise AOQError(f"AOQConfig.candidates must be a list of scheme names (e.g. ['int4', 'int8']), got {candidates!r}")
+    from ...sensitivity import parse_candidates
+
+    parse_candidates(candidates)  # an unknown scheme or group size is an error now, not after loading
+    return list(candidates)
 
 
 def _one_of_two_names(new: bool | None, old: bool | None) -> bool:

@@ -3,6 +3,7 @@ a pre-quantized checkpoint's metadata through hf_aoq.serialization, and hands te
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from typing import Any
@@ -355,6 +356,9 @@ class AOQHfQuantizer(HfQuantizer):
         window = min(512, n_tokens)
         n_tokens -= n_tokens % window
         batches = perplexity.windows(ids, tokenizer.bos_token_id, n_tokens=n_tokens, window=window)
+        if config.target_bits_per_weight is not None:
+            self._quantize_mixed_precision(model, batches)
+            return
         recipe = FqnToConfig({n: d.config for name, d in self._plan.items() for n in (name, *d.tied)})
         # One step per numbered block with int4 linears (what calibration.py reports through `log`),
         # in transformers' progress style (its tqdm honours disable_progress_bar()).
@@ -365,6 +369,22 @@ class AOQHfQuantizer(HfQuantizer):
                 model, recipe, batches, log=lambda message: (bar.set_postfix_str(message.split(" (")[0]), bar.update())
             )
         logger.info("hf_aoq: %s", report.summary())
+
+    def _quantize_mixed_precision(self, model, windows) -> None:
+        """hf_aoq.mixed_precision over the plan's weights; the chosen FqnToConfig becomes the
+        config's quant_type, which config.json stores."""
+        from ...mixed_precision import quantize_mixed_precision
+        from ...sensitivity import mean_loss
+
+        config = self.quantization_config
+        batches = [torch.cat(windows)]  # one pass: every weight is quantized once per candidate
+        chosen, _ = quantize_mixed_precision(model, config.target_bits_per_weight, config.candidates, batches,
+                                             decisions=self._plan)
+        config.quant_type = chosen.recipe
+        measured = math.exp(mean_loss(model, batches))
+        self.mixed_precision = (chosen, measured)
+        logger.info("hf_aoq: %s; calibration-text perplexity predicted %.3f, measured %.3f", chosen.summary(),
+                       chosen.predicted_perplexity(), measured)
 
     def get_state_dict_and_metadata(self, model):
         """Plain tensors plus hf_aoq metadata: quantized weights in their canonical layout."""

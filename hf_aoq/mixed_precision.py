@@ -1,0 +1,184 @@
+"""Mixed precision under a size budget: one candidate scheme per weight, chosen from a
+sensitivity report (hf_aoq.sensitivity) to minimise the predicted loss increase at an average
+size of at most `target_bits` bits per weight.
+
+The predicted increases add up over weights (each was measured with only that weight
+quantized), so the choice is a multiple-choice knapsack: for each weight, one of its candidates
+(bytes b, predicted loss change d). `choose_recipe` solves its Lagrangian relaxation (for a price
+lam per byte, every weight takes the candidate of least d + lam b; lam is the smallest price at
+which the total fits), then spends what is left of the budget greedily on the upgrades that
+buy the most predicted loss per byte. The result is an ordinary FqnToConfig of exact weight
+names (None for a weight kept in float), which config.json stores like any recipe, so the
+checkpoint loads with no special code.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+from .configs import FqnToConfig
+from .core.errors import AOQError
+from .quantize import Decision, carry_out
+from .sensitivity import SensitivityReport, sensitivity
+
+
+@dataclass
+class MixedPrecisionPlan:
+    """What `choose_recipe` chose: {weight name: candidate name}, the recipe, and its cost."""
+
+    choices: dict[str, str]
+    recipe: FqnToConfig
+    target_bits: float
+    bits_per_weight: float  # the chosen average, over the weights of the report
+    predicted_loss_delta: float  # sum of the chosen candidates' predicted loss changes
+    base_loss: float  # the float model's loss on the calibration tokens
+    counts: dict[str, int] = field(default_factory=dict)  # candidate name -> weights that took it
+
+    def predicted_perplexity(self, float_perplexity: float | None = None) -> float:
+        """The float model's perplexity (default: on the calibration tokens) x exp(predicted change)."""
+        base = math.exp(self.base_loss) if float_perplexity is None else float_perplexity
+        return base * math.exp(self.predicted_loss_delta)
+
+    def summary(self) -> str:
+        mix = ", ".join(f"{n} x{k}" for n, k in sorted(self.counts.items(), key=lambda kv: -kv[1]))
+        return (f"mixed precision: {self.bits_per_weight:.3f} bits/weight (budget {self.target_bits:g}); {mix}; "
+                f"predicted loss change {self.predicted_loss_delta:+.4f} (perplexity x{math.exp(self.predicted_loss_delta):.4f})")
+
+
+def _options(report: SensitivityReport, allowed: set[str] | None):
+    """Per weight, its Pareto options (bytes, loss change, candidate name), fewest bytes first."""
+    per_layer = []
+    for layer in report.layers:
+        opts = sorted((m.nbytes, max(m.loss_delta, 0.0), name) for name, m in layer.results.items()
+                      if m is not None and (allowed is None or name in allowed))
+        if not opts:
+            raise AOQError(f"{layer.name}: no candidate fits this weight; add one that does (e.g. int8 or bf16)")
+        pareto = []
+        for opt in opts:
+            if not pareto or opt[1] < pareto[-1][1]:
+                pareto.append(opt)
+        per_layer.append(pareto)
+    return per_layer
+
+
+def _pick(per_layer, lam: float) -> list[int]:
+    return [min(range(len(opts)), key=lambda i: opts[i][1] + lam * opts[i][0]) for opts in per_layer]
+
+
+def choose_recipe(report: SensitivityReport, target_bits: float, *, candidates=None) -> MixedPrecisionPlan:
+    """The recipe of least predicted loss increase whose average size over the report's weights
+    is at most `target_bits` bits per weight; `candidates` (names) limits the choice."""
+    if isinstance(target_bits, bool) or not isinstance(target_bits, (int, float)) or not target_bits > 0:
+        raise AOQError(f"target bits per weight must be a positive number, got {target_bits!r}")
+    allowed = None if candidates is None else set(candidates)
+    per_layer = _options(report, allowed)
+    numel = sum(l.numel for l in report.layers)
+    budget = target_bits * numel / 8
+    smallest = sum(opts[0][0] for opts in per_layer)
+    if smallest > budget:
+        raise AOQError(f"a budget of {target_bits:g} bits per weight is below the smallest candidates' "
+                       f"{8 * smallest / numel:.3f}; raise it or add a smaller candidate scheme")
+
+    def total(choice):
+        return sum(opts[i][0] for opts, i in zip(per_layer, choice))
+
+    # The smallest price per byte at which every weight's cheapest d + lam b fits the budget.
+    lo, hi = 0.0, 1.0
+    while total(_pick(per_layer, hi)) > budget:
+        hi *= 4
+        if hi > 1e30:
+            break
+    choice = _pick(per_layer, lo)
+    if total(choice) > budget:
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if total(_pick(per_layer, mid)) > budget:
+                lo = mid
+            else:
+                hi = mid
+        choice = _pick(per_layer, hi)
+        if total(choice) > budget:  # ties at the price: fall back to every weight's smallest
+            choice = [0] * len(per_layer)
+    # Spend what is left on the best predicted loss per byte, one upgrade at a time.
+    used = total(choice)
+    while True:
+        best = None
+        for li, (opts, i) in enumerate(zip(per_layer, choice)):
+            for j in range(i + 1, len(opts)):
+                extra, gain = opts[j][0] - opts[i][0], opts[i][1] - opts[j][1]
+                if used + extra <= budget and gain > 0:
+                    rate = gain / max(extra, 1)
+                    if best is None or rate > best[0]:
+                        best = (rate, li, j, extra)
+        if best is None:
+            break
+        _, li, j, extra = best
+        choice[li] = j
+        used += extra
+
+    by_name = {c.name: c for c in report.candidates}
+    choices, mapping, counts = {}, {}, {}
+    delta = 0.0
+    for layer, opts, i in zip(report.layers, per_layer, choice):
+        _, d, name = opts[i]
+        choices[layer.name] = name
+        counts[name] = counts.get(name, 0) + 1
+        delta += d
+        for n in (layer.name, *layer.tied):
+            mapping[n] = by_name[name].config
+    return MixedPrecisionPlan(choices, FqnToConfig(mapping), float(target_bits), 8 * used / numel, delta,
+                              report.base_loss, counts)
+
+
+def apply_plan(model: nn.Module, chosen: MixedPrecisionPlan, decisions: dict[str, Decision]) -> nn.Module:
+    """Quantize `model` in place as `chosen` says, for the weights of `decisions` (the plan the
+    report was made over: its ties and placement are kept)."""
+    from dataclasses import replace
+
+    todo = {}
+    for name, d in decisions.items():
+        cfg = chosen.recipe.mapping.get(name)
+        if name not in chosen.choices:
+            raise AOQError(f"{name} is in the plan but not in the mixed-precision choice")
+        if cfg is not None:
+            todo[name] = replace(d, config=cfg)
+    return carry_out(model, todo)
+
+
+def quantize_mixed_precision(
+    model: nn.Module,
+    target_bits: float,
+    candidates,
+    calibration,
+    *,
+    tokenizer=None,
+    tokens: int = 2048,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    include_embeddings: bool = False,
+    decisions: dict[str, Decision] | None = None,
+    report: SensitivityReport | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[MixedPrecisionPlan, SensitivityReport]:
+    """Measure (or take `report`), choose a recipe at `target_bits`, quantize `model` in place by
+    it; returns (the choice, the report). Arguments as hf_aoq.sensitivity.sensitivity takes them;
+    embeddings are left out unless `include_embeddings`."""
+    from .sensitivity import analysis_plan, parse_candidates
+
+    cands = parse_candidates(candidates)
+    if decisions is None:
+        decisions = analysis_plan(model, cands, filter_fn=filter_fn, include_embeddings=include_embeddings)
+    if report is None:
+        report = sensitivity(model, cands, calibration, tokenizer=tokenizer, tokens=tokens, decisions=decisions, log=log)
+    missing = sorted(set(decisions) - {l.name for l in report.layers})
+    if missing:
+        raise AOQError(f"the sensitivity report does not cover {missing[:3]}; measure it on the same model and scope")
+    report_scope = SensitivityReport(report.candidates, [l for l in report.layers if l.name in decisions],
+                                     report.base_loss, report.tokens, report.seconds, report.estimator)
+    chosen = choose_recipe(report_scope, target_bits, candidates=[c.name for c in cands])
+    apply_plan(model, chosen, decisions)
+    if log is not None:
+        log(chosen.summary())
+    return chosen, report
