@@ -26,7 +26,9 @@ _CONFIG_KEYS = (
     "dequantize",
     "calibration",
     "calibration_tokens",
+    "calibration_method",
 )
+CALIBRATION_METHODS = ("gptq", "awq", "smoothquant")  # hf_aoq.calibration has the same
 
 
 class AOQConfig(QuantizationConfigMixin):
@@ -44,6 +46,9 @@ class AOQConfig(QuantizationConfigMixin):
                              linear weight by GPTQ on its first `calibration_tokens` tokens
                              (hf_aoq.calibration); slower, and the float model is in memory once
     calibration_tokens       how many tokens of `calibration` to use (default 2048)
+    calibration_method       what `calibration` chooses: "gptq" (default: int4 weights),
+                             "awq" (activation-aware scales for int4 and Int4DQ, hf_aoq.awq) or
+                             "smoothquant" (for int8-dynamic, hf_aoq.smoothquant)
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class AOQConfig(QuantizationConfigMixin):
         calibration: str | None = None,
         calibration_tokens: int = 2048,
         include_embeddings: bool | None = None,
+        calibration_method: str = "gptq",
     ):
         include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
         for name, value in (
@@ -88,6 +94,9 @@ class AOQConfig(QuantizationConfigMixin):
         if calibration is not None and untie_embedding_weights:
             raise AOQError("AOQConfig: calibration with untie_embedding_weights is not supported; untie before saving "
                            "the float checkpoint, or quantize without calibration")
+        if calibration_method not in CALIBRATION_METHODS:
+            raise AOQError(f"AOQConfig.calibration_method must be one of {CALIBRATION_METHODS}, got {calibration_method!r}")
+        self.calibration_method = calibration_method
         self.calibration = None if calibration is None else os.fspath(calibration)
         self.calibration_tokens = calibration_tokens
         self.quant_method = QUANT_METHOD
@@ -111,6 +120,7 @@ class AOQConfig(QuantizationConfigMixin):
             # Written only when used, so that older readers still read every other config.
             **({"calibration": self.calibration, "calibration_tokens": self.calibration_tokens}
                if self.calibration is not None else {}),
+            **({"calibration_method": self.calibration_method} if self.calibration_method != "gptq" else {}),
         }
 
     @classmethod
@@ -159,6 +169,11 @@ class AOQConfig(QuantizationConfigMixin):
         if isinstance(tokens, bool) or not isinstance(tokens, int):
             raise FormatError(f"{where}.calibration_tokens: expected an integer, got {tokens!r}")
         args["calibration_tokens"] = tokens
+        calibration_method = config_dict.get("calibration_method", "gptq")
+        if calibration_method not in CALIBRATION_METHODS:
+            raise FormatError(f"{where}.calibration_method: expected one of {CALIBRATION_METHODS}, "
+                              f"got {calibration_method!r}")
+        args["calibration_method"] = calibration_method
         unused = {}
         for key, value in kwargs.items():
             if key in args:
