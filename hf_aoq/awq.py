@@ -9,9 +9,11 @@ minimises the consumers' output error on the calibration inputs,
 
     sum over consumers of  || X (Q(W * s) / s - W)^T ||^2  =  trace(E H E^T),  E = Q(W * s) / s - W,
 
-computed from the Gram matrix H = X^T X, with Q the consumer's own config (Int4WeightOnlyConfig
-or Int4DQWeightOnlyConfig), so alpha = 0 (what quantizing without calibration gives) is always
-a candidate. The weights are then quantized by their configs as usual: same tensors, same size.
+computed from the Gram matrix H = X^T X, over a sample of each consumer's rows. Q in the search is
+plain round-to-nearest int4 with the config's group size and symmetry and each group's min/max
+(both configs' parameter searches cost seconds per weight, 11 candidates x 7 weights x every
+block); alpha = 0 (no scaling) is always a candidate. The weights are then quantized by their
+own configs (Int4WeightOnlyConfig, Int4DQWeightOnlyConfig) as usual: same tensors, same size.
 """
 from __future__ import annotations
 
@@ -61,12 +63,30 @@ class AWQ:
 
 def output_error(weight: torch.Tensor, k_scales: torch.Tensor, config, gram: torch.Tensor, *, name="weight") -> float:
     """trace(E H E^T) for E = Q(W * s) / s - W: the squared output error of quantizing `weight`
-    [N, K] with `config` after scaling its input channels by `k_scales` [K], on inputs whose Gram
-    matrix is `gram` [K, K]."""
+    [N, K] as `config` would (round to nearest on each group's min/max, `rtn_int4`) after scaling
+    its input channels by `k_scales` [K], on inputs whose Gram matrix is `gram` [K, K]."""
     w = weight.float()
-    scaled = (w * k_scales).to(weight.dtype)
-    e = config.quantize_weight(scaled, name=name).dequantize(torch.float32) / k_scales - w
+    scaled = (w * k_scales).to(weight.dtype).float()
+    e = rtn_int4(scaled, config.group_size, getattr(config, "symmetric", False)) / k_scales - w
     return float(((e @ gram) * e).sum())
+
+
+def rtn_int4(w: torch.Tensor, group_size: int, symmetric: bool) -> torch.Tensor:
+    """w [N, K] float32 quantized to 4 bits per group of `group_size` along K (min/max, round to
+    nearest) and dequantized: the fast stand-in for a config's quantizer in the alpha search."""
+    n, k = w.shape
+    pad = -k % group_size
+    g = torch.nn.functional.pad(w, (0, pad)).view(n, -1, group_size)
+    if pad:  # the padding must not widen the last group's range: repeat its first value
+        g[:, -1, group_size - pad:] = g[:, -1, :1]
+    if symmetric:
+        scale = torch.maximum(g.amax(-1, keepdim=True) / 7, -g.amin(-1, keepdim=True) / 8).clamp(min=1e-10)
+        q = (g / scale).round().clamp(-8, 7) * scale
+    else:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-10)
+        q = ((g - lo) / scale).round().clamp(0, 15) * scale + lo
+    return q.reshape(n, -1)[:, :k]
 
 
 def quantize_with_awq(
