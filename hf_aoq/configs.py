@@ -96,14 +96,22 @@ class Int4DQWeightOnlyConfig(AOQBaseConfig):
 @register_config_type
 @dataclass(frozen=True)
 class Int8WeightOnlyConfig(AOQBaseConfig):
+    """int8 weights, a float32 scale per row (or per group of `group_size`). `qparams` "minmax"
+    (default) maps each row's abs-max onto code 127; "mse" takes the scale with the least squared
+    reconstruction error among a few slightly smaller ones, each refined by least squares
+    (README's int8 quality notes have the measurements). A recipe saved without it reads as minmax."""
+
     group_size: int | None = None  # None: one scale per row
+    qparams: str = "minmax"
 
     def __post_init__(self):
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
             raise AOQError(f"Int8WeightOnlyConfig.group_size must be None or a positive int, got {self.group_size!r}")
+        if self.qparams not in QPARAM_METHODS:
+            raise AOQError(f"Int8WeightOnlyConfig.qparams must be one of {QPARAM_METHODS}, got {self.qparams!r}")
 
     def quantize_weight(self, weight, *, name="weight"):
-        return Int8Tensor.from_float(weight, self.group_size, name=name)
+        return Int8Tensor.from_float(weight, self.group_size, name=name, qparams=self.qparams)
 
 
 @register_config_type

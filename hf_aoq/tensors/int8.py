@@ -39,6 +39,7 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
         act_quant: str | None = None,
         *,
         name: str = "weight",
+        qparams: str = "minmax",
     ):
         check_weight(weight, name)
         if act_quant not in ACT_QUANTS:
@@ -51,7 +52,8 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
         block = (1, group_size or k)
 
         def rows(w):
-            scale, _ = choose_qparams_affine(w, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name)
+            scale, _ = choose_qparams_affine(w, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name,
+                                            method=qparams)
             return quantize_affine(w, block, scale, None, QMIN, QMAX, torch.int8), scale
 
         codes, scale = by_row_chunks(weight, rows)
