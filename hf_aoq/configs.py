@@ -113,6 +113,13 @@ class Int8WeightOnlyConfig(AOQBaseConfig):
     def quantize_weight(self, weight, *, name="weight"):
         return Int8Tensor.from_float(weight, self.group_size, name=name, qparams=self.qparams)
 
+    def to_dict(self) -> dict[str, Any]:
+        # The default is left out: an int8 recipe reads the same to hf_aoq versions before qparams.
+        out = super().to_dict()
+        if self.qparams == "minmax":
+            del out["qparams"]
+        return out
+
 
 @register_config_type
 @dataclass(frozen=True)
@@ -364,7 +371,7 @@ def _config_from_dict(data: Any, where: str) -> AOQBaseConfig:
 def _fqn_to_config_to_dict(recipe: "FqnToConfig") -> dict[str, Any]:
     pairs = []
     for key, cfg in recipe.mapping.items():
-        pairs.append([key, None if cfg is None else _config_to_dict(cfg)])
+        pairs.append([key, None if cfg is None else cfg.to_dict()])
     return {"type": _FQN_TO_CONFIG_TAG, "mapping": pairs}
 
 
@@ -395,7 +402,7 @@ def recipe_to_dict(recipe: "AOQBaseConfig | FqnToConfig") -> dict[str, Any]:
     if isinstance(recipe, FqnToConfig):
         return _fqn_to_config_to_dict(recipe)
     if isinstance(recipe, AOQBaseConfig):
-        return _config_to_dict(recipe)
+        return recipe.to_dict()
     raise AOQError(f"expected a quantization config or FqnToConfig, got {type(recipe).__name__}")
 
 

@@ -4,13 +4,16 @@ abs-max / 127.5 clips each row's positive maximum), and `qparams="mse"` chooses 
 by its reconstruction error, never worse than abs-max; on a tiny Qwen2-style model with biases
 and a few large-magnitude weights it loses less than abs-max."""
 import copy
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_aoq import AOQBaseConfig, AOQError, Int8Tensor, Int8WeightOnlyConfig, quantize_
+from hf_aoq.configs import recipe_to_dict
+
+from hf_aoq import FqnToConfig, AOQBaseConfig, AOQError, Int8Tensor, Int8WeightOnlyConfig, quantize_
 
 
 def outlier_weight(rows=256, cols=512, seed=0):
@@ -40,6 +43,9 @@ def test_mse_row_scales_are_never_worse_than_abs_max():
 def test_the_qparams_field_is_optional_in_saved_recipes():
     old = AOQBaseConfig.from_dict({"type": "Int8WeightOnlyConfig", "group_size": None})
     assert old == Int8WeightOnlyConfig() and old.qparams == "minmax"
+    assert Int8WeightOnlyConfig().to_dict() == {"type": "Int8WeightOnlyConfig", "group_size": None}  # as before
+    recipe = recipe_to_dict(FqnToConfig({"_default": Int8WeightOnlyConfig()}))
+    assert "qparams" not in json.dumps(recipe) and "qparams" not in json.dumps(recipe_to_dict(Int8WeightOnlyConfig()))
     cfg = Int8WeightOnlyConfig(qparams="mse")
     assert AOQBaseConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(AOQError, match="Int8WeightOnlyConfig.qparams must be one of"):
