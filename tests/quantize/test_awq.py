@@ -153,3 +153,34 @@ def test_aoq_config_takes_the_calibration_method():
     assert AOQConfig.from_dict({k: v for k, v in d.items() if k != "calibration_method"}).calibration_method == "gptq"
     with pytest.raises(AOQError, match="calibration_method must be one of"):
         AOQConfig(Int4DQWeightOnlyConfig(32), calibration="text.txt", calibration_method="hqq")
+
+
+def test_awq_through_from_pretrained_and_the_cli(tiny_llama_dir, tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_aoq import cli
+
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 500 + 3}" for i in range(300)))
+    config = AOQConfig(Int4DQWeightOnlyConfig(32), calibration=str(text), calibration_tokens=256, calibration_method="awq")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16, quantization_config=config)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16,
+                                                 quantization_config=AOQConfig(Int4DQWeightOnlyConfig(32)))
+    assert isinstance(model.model.layers[0].mlp.up_proj.weight, Int4DQTensor)
+    # The scales were folded into the norms (the data mattered), which are saved as float.
+    assert not torch.equal(model.model.layers[0].input_layernorm.weight, plain.model.layers[0].input_layernorm.weight)
+    model.save_pretrained(tmp_path / "out")
+    stored = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert stored["calibration_method"] == "awq"
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = batches(1, seed=2)[0]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    out = tmp_path / "cli"
+    assert cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--calibration", str(text),
+                     "--calibration-tokens", "128", "--calibration-method", "awq", "--out", str(out),
+                     "--no-measure"]) == 0
+    cli_model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(cli_model.model.layers[1].self_attn.o_proj.weight, Int4DQTensor)
