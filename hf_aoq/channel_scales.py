@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
 import torch
@@ -73,7 +73,7 @@ class ScaleMethod(Protocol):
     def accepts(self, config: AOQBaseConfig) -> bool: ...
     def collect(self, x: torch.Tensor, state): ...  # x [T, K] float32; returns the new state
     def choose(self, pair: ScalePair, weights: dict[str, torch.Tensor], configs: dict[str, AOQBaseConfig],
-               state) -> torch.Tensor: ...  # the producer's scales [C], float32, positive
+               state) -> tuple[torch.Tensor, dict]: ...  # the producer's scales [C] (float32, > 0), and a note
 
 
 @dataclass
@@ -84,9 +84,9 @@ class ScaleReport:
     seconds: float = 0.0
     tokens: int = 0
     layers: int = 0
-    calibrated: list[str] = None
+    calibrated: list[str] = field(default_factory=list)
     pairs: int = 0
-    choices: list = None  # per pair, what `choose` reported (e.g. AWQ's alpha)
+    choices: list = field(default_factory=list)  # per pair, what `choose` reported (e.g. AWQ's alpha)
 
     def summary(self) -> str:
         return (f"{self.method}: folded scales into {self.pairs} places of {self.layers} blocks for "
@@ -200,7 +200,7 @@ def quantize_with_scales(
     batches = [b if b.ndim == 2 else b.unsqueeze(0) for b in batches]
     if not batches:
         raise AOQError("calibration needs at least one batch of token ids")
-    report = ScaleReport(method=method.name, tokens=sum(b.numel() for b in batches), calibrated=[], choices=[])
+    report = ScaleReport(method=method.name, tokens=sum(b.numel() for b in batches))
     start_time = time.perf_counter()
     decisions = plan(model, config, filter_fn=filter_fn)
     by_block: dict[str, dict[int, dict[str, Decision]]] = {}
