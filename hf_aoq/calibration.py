@@ -29,7 +29,13 @@ import torch
 from torch import nn
 
 from .activation_scales import with_activation_scales
-from .configs import AOQBaseConfig, FqnToConfig, Int4WeightOnlyConfig
+from .configs import (
+    AOQBaseConfig,
+    FqnToConfig,
+    Int4DQWeightOnlyConfig,
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+)
 from .core.errors import AOQError
 from .core.primitives import pack_int4
 from .quantize import Decision, carry_out, plan, set_quantized
@@ -146,15 +152,23 @@ def quantize_with_calibration(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     damping: float = 0.01,
     log: Callable[[str], None] | None = None,
+    method: str = "gptq",
 ) -> CalibrationReport:
     """Quantize `model` in place like `quantize_(model, config, filter_fn)`, choosing every int4
     weight of a linear layer by GPTQ on `batches` (token id tensors [B, T] that `model(ids)`
     accepts). Returns what it cost.
 
+    `method` picks what the calibration text chooses: "gptq" (this module), "awq" (activation-aware
+    scales for Int4 and Int4DQ weights, hf_aoq.awq) or "smoothquant" (scales that move activation
+    outliers into int8-dynamic weights, hf_aoq.smoothquant); the last two fold per-channel scales
+    into llama-style blocks and return their own report (channel_scales.ScaleReport).
+
     Linears inside numbered blocks (`<prefix>.<i>.`, e.g. `model.layers.3.mlp.up_proj`) are done
     block by block: the inputs of block 0 are recorded once, and each block then runs on the
     outputs of the block before it, already quantized. Other int4 linears are calibrated on a
     full forward pass at the end."""
+    if method != "gptq":
+        return _scale_method(method)(model, config, batches, filter_fn=filter_fn, log=log)
     batches = [b if b.ndim == 2 else b.unsqueeze(0) for b in batches]
     if not batches:
         raise AOQError("calibration needs at least one batch of token ids")
@@ -197,6 +211,30 @@ def quantize_with_calibration(
     carry_out(model, {n: d for n, d in decisions.items() if n.removesuffix(".weight") not in targets})
     report.seconds = time.perf_counter() - start_time
     return report
+
+
+CALIBRATION_METHODS = ("gptq", "awq", "smoothquant")
+
+
+def calibrated_configs(method: str) -> tuple[type, ...]:
+    """The config types whose weights `method` chooses (the rest are quantized as quantize_ does)."""
+    if method == "gptq":
+        return (Int4WeightOnlyConfig,)
+    if method == "awq":
+        return (Int4WeightOnlyConfig, Int4DQWeightOnlyConfig)
+    if method == "smoothquant":
+        return (Int8DynamicActivationInt8WeightConfig,)
+    raise AOQError(f"calibration method must be one of {CALIBRATION_METHODS}, got {method!r}")
+
+
+def _scale_method(method: str):
+    if method == "awq":
+        from .awq import quantize_with_awq
+        return quantize_with_awq
+    if method == "smoothquant":
+        from .smoothquant import quantize_with_smoothquant
+        return quantize_with_smoothquant
+    raise AOQError(f"calibration method must be one of {CALIBRATION_METHODS}, got {method!r}")
 
 
 def _int4_linears(model, decisions: dict[str, Decision]) -> dict[str, tuple[nn.Linear, Decision]]:

@@ -128,6 +128,10 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
     p.add_argument("--schemes", metavar="LIST",
                    help="with --bits: the schemes to choose among, comma-separated, as `hf-aoq analyze` takes them "
                         "(default int4:g64,int4,int8)")
+    p.add_argument("--calibration-method", choices=["gptq", "awq", "smoothquant"], default="gptq",
+                   help="what --calibration chooses: gptq (int4-plain weights, default), awq (activation-aware "
+                        "scales for int4 and int4-plain), smoothquant (for int8-dyn); awq and smoothquant fold "
+                        "per-channel scales into llama-style blocks")
     p.add_argument("--out", required=out_required, metavar="DIR", help="folder to save the quantized checkpoint in")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the checkpoint in --out: every old file goes, and a failure keeps the old one")
@@ -177,7 +181,7 @@ def _push_target(args, repo_id):
 def quantize_command(args) -> int:
     from .checkpoint import format_bytes
     from .model_card import CARD_NAME
-    from .workflows import LoadOptions, build_aoq_config, parse_size, quantize_checkpoint
+    from .workflows import LoadOptions, UsageError, build_aoq_config, parse_size, quantize_checkpoint
     from .workflows.common import log
 
     load = LoadOptions(dtype=args.dtype, device_map=_device_map(args), revision=getattr(args, "revision", None),
@@ -188,10 +192,13 @@ def quantize_command(args) -> int:
         config = build_target_config(args.target, args.model, args.scheme, args.group_size, recipe=args.recipe,
                                      skip=args.skip, calibration=args.calibration,
                                      calibration_tokens=args.calibration_tokens, load=load)
+        if getattr(args, "calibration_method", "gptq") != "gptq":
+            raise UsageError("--calibration-method awq or smoothquant is not available with --target: "
+                             "--target's symmetric int4 is calibrated by GPTQ")
     else:
         config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
-                                  args.calibration_tokens, bits=getattr(args, "bits", None),
-                                  candidates=getattr(args, "schemes", None))
+                                  args.calibration_tokens, getattr(args, "calibration_method", "gptq"),
+                                  bits=getattr(args, "bits", None), candidates=getattr(args, "schemes", None))
     if args.max_shard_size is not None:
         parse_size(args.max_shard_size)  # a typo is reported before anything loads
     push = _push_target(args, args.push_to_hub) if args.push_to_hub else None

@@ -106,12 +106,17 @@ class Int4DQWeightOnlyConfig(AOQBaseConfig):
 @register_config_type
 @dataclass(frozen=True)
 class Int8WeightOnlyConfig(AOQBaseConfig):
-    """int8 weights, a float32 scale per row or per group of `group_size`. `scale_dtype`
-    torch.float16 picks scales that fp16 holds exactly (what GGUF's Q8_0 stores; `hf-aoq
-    quantize --target gguf` sets it with group_size 32); None keeps the exact float32 scale."""
+    """int8 weights, a float32 scale per row (or per group of `group_size`). `qparams` "minmax"
+    (default) maps each row's abs-max onto code 127; "mse" takes the scale with the least squared
+    reconstruction error among a few slightly smaller ones, each refined by least squares
+    (README's int8 quality notes have the measurements). `scale_dtype` torch.float16 picks scales
+    that fp16 holds exactly (what GGUF's Q8_0 stores; `hf-aoq quantize --target gguf` sets it with
+    group_size 32); None keeps the exact float32 scale. Both came after the config and are written
+    to the JSON only when set (OPTIONAL)."""
 
     group_size: int | None = None  # None: one scale per row
     scale_dtype: torch.dtype | None = field(default=None, metadata=OPTIONAL)
+    qparams: str = field(default="minmax", metadata=OPTIONAL)
 
     def __post_init__(self):
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
@@ -119,9 +124,12 @@ class Int8WeightOnlyConfig(AOQBaseConfig):
         if self.scale_dtype not in (None, torch.float32, torch.float16):
             raise AOQError(f"Int8WeightOnlyConfig.scale_dtype must be None, torch.float32 or torch.float16, got "
                            f"{self.scale_dtype!r}")
+        if self.qparams not in QPARAM_METHODS:
+            raise AOQError(f"Int8WeightOnlyConfig.qparams must be one of {QPARAM_METHODS}, got {self.qparams!r}")
 
     def quantize_weight(self, weight, *, name="weight"):
-        return Int8Tensor.from_float(weight, self.group_size, scale_dtype=self.scale_dtype, name=name)
+        return Int8Tensor.from_float(weight, self.group_size, scale_dtype=self.scale_dtype, name=name,
+                                     qparams=self.qparams)
 
 
 @register_config_type
@@ -628,7 +636,7 @@ def _config_from_dict(data: Any, where: str) -> AOQBaseConfig:
 def _fqn_to_config_to_dict(recipe: "FqnToConfig") -> dict[str, Any]:
     pairs = []
     for key, cfg in recipe.mapping.items():
-        pairs.append([key, None if cfg is None else _config_to_dict(cfg)])
+        pairs.append([key, None if cfg is None else cfg.to_dict()])
     return {"type": _FQN_TO_CONFIG_TAG, "mapping": pairs}
 
 
@@ -659,7 +667,7 @@ def recipe_to_dict(recipe: "AOQBaseConfig | FqnToConfig") -> dict[str, Any]:
     if isinstance(recipe, FqnToConfig):
         return _fqn_to_config_to_dict(recipe)
     if isinstance(recipe, AOQBaseConfig):
-        return _config_to_dict(recipe)
+        return recipe.to_dict()
     raise AOQError(f"expected a quantization config or FqnToConfig, got {type(recipe).__name__}")
 
 

@@ -67,6 +67,7 @@ class _IntxMinmax(hf_aoq.AOQBaseConfig):
 def hf_aoq_options(calibration):
     I4 = hf_aoq.Int4WeightOnlyConfig
     yield "hf_aoq int8", lambda m: hf_aoq.quantize_(m, hf_aoq.Int8WeightOnlyConfig(), not_lm_head)
+    yield "hf_aoq int8 mse row scales", lambda m: hf_aoq.quantize_(m, hf_aoq.Int8WeightOnlyConfig(qparams="mse"), not_lm_head)
     for g in (128, 64, 32):
         yield f"hf_aoq int4 g{g} minmax", lambda m, g=g: hf_aoq.quantize_(m, I4(g, qparams="minmax"), not_lm_head)
     yield "hf_aoq int4 g128 mse (default)", lambda m: hf_aoq.quantize_(m, I4(128), not_lm_head)
@@ -116,6 +117,15 @@ def hf_aoq_options(calibration):
         yield f"hf_aoq int4 g128 {qparams} + calibration (GPTQ)", lambda m, q=qparams: quantize_with_calibration(
             m, I4(128, qparams=q), calibration, filter_fn=not_lm_head
         )
+    # Activation-aware scales (hf_aoq.awq), folded into the blocks: the same tensors and sizes.
+    for label, cfg in (("int4 g128 mse", I4(128)), ("int4dq g32", hf_aoq.Int4DQWeightOnlyConfig(32))):
+        yield f"hf_aoq {label} + calibration (AWQ)", lambda m, c=cfg: quantize_with_calibration(
+            m, c, calibration, filter_fn=not_lm_head, method="awq"
+        )
+    yield "hf_aoq int8-dyn", lambda m: hf_aoq.quantize_(m, hf_aoq.Int8DynamicActivationInt8WeightConfig(), not_lm_head)
+    yield "hf_aoq int8-dyn + calibration (SmoothQuant)", lambda m: quantize_with_calibration(
+        m, hf_aoq.Int8DynamicActivationInt8WeightConfig(), calibration, filter_fn=not_lm_head, method="smoothquant"
+    )
 
 
 # Mixed precision (hf_aoq.mixed_precision): one sensitivity report on the calibration tokens,

@@ -48,6 +48,7 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
         *,
         scale_dtype: torch.dtype | None = None,
         name: str = "weight",
+        qparams: str = "minmax",
     ):
         """Quantize a float [N, K] weight per row (or in groups of `group_size` along K).
         `scale_dtype` torch.float16 chooses scales that fp16 holds exactly (each rounded to fp16
@@ -55,7 +56,7 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
         [E, N, K] weight (fused experts) is quantized expert by expert."""
         if getattr(weight, "ndim", 0) == 3:  # fused experts [E, N, K]: expert by expert
             return quantize_experts(cls.from_float, weight, name, group_size=group_size, act_quant=act_quant,
-                                    scale_dtype=scale_dtype)
+                                    scale_dtype=scale_dtype, qparams=qparams)
         check_weight(weight, name)
         if scale_dtype not in (None, torch.float32, torch.float16):
             raise AOQError(f"{name}: Int8Tensor scale_dtype must be None, torch.float32 or torch.float16, got {scale_dtype!r}")
@@ -69,7 +70,8 @@ class Int8Tensor(DevicePacked, BlockGridTensor):
         block = (1, group_size or k)
 
         def rows(w):
-            scale, _ = choose_qparams_affine(w, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name)
+            scale, _ = choose_qparams_affine(w, block, QMIN, QMAX, symmetric=True, param_dtype=torch.float32, name=name,
+                                            method=qparams)
             if scale_dtype is torch.float16:
                 scale = _fp16_scale(scale)
             return quantize_affine(w, block, scale, None, QMIN, QMAX, torch.int8), scale

@@ -44,14 +44,15 @@ def load_recipe(path):
 
 
 def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calibration=None, calibration_tokens=2048,
-                     *, bits=None, candidates=None):
+                     calibration_method="gptq", *, bits=None, candidates=None):
     """The AOQConfig for `hf-aoq quantize`: `scheme` (+ `group_size`, which changes only that
     scheme's group size, never its type) is the config of every linear layer the recipe does
     not name; a `recipe` (FqnToConfig, or a path to its JSON) comes first; `skip` names modules
-    to leave in float; `calibration` is a text file for GPTQ (plain int4) and for the static
-    activation scales of fp8-static (which needs it). `bits` asks for mixed precision at that
-    average (among `candidates`, comma-separated scheme names), measured on `calibration`; it
-    replaces `scheme` and `recipe`."""
+    to leave in float; `calibration` is a text file for GPTQ (plain int4), for the static
+    activation scales of fp8-static (which needs it), or for `calibration_method` "awq" (int4 and
+    Int4DQ) or "smoothquant" (int8-dyn). `bits` asks for mixed precision at that average (among
+    `candidates`, comma-separated scheme names), measured on `calibration`; it replaces `scheme`
+    and `recipe`."""
     if bits is not None or candidates is not None:
         return _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens)
     from ..configs import FqnToConfig, config_for_scheme
@@ -64,7 +65,7 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
         default = None if scheme is None else config_for_scheme(scheme, group_size)
     except AOQError as e:
         raise UsageError(str(e)) from None
-    if calibration is not None and scheme == "int4":
+    if calibration is not None and scheme == "int4" and calibration_method == "gptq":
         raise UsageError("--calibration (GPTQ) chooses plain int4 weights: use --scheme int4-plain (groups of 128 by "
                          "default). The default int4 (Int4DQ) needs no data and is more accurate (SmolLM2: 31.6 "
                          "against GPTQ's 38.9 at g128)")
@@ -89,7 +90,8 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
         raise UsageError(f"--calibration {calibration}: no such text file")
     try:
         return AOQConfig(quant_type, modules_to_not_convert=list(skip) if skip else None,
-                         calibration=calibration, calibration_tokens=calibration_tokens)
+                         calibration=calibration, calibration_tokens=calibration_tokens,
+                         calibration_method=calibration_method)
     except AOQError as e:
         raise UsageError(str(e)) from None
 

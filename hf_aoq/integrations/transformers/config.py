@@ -28,9 +28,11 @@ _CONFIG_KEYS = (
     "calibration_tokens",
     "target_bits_per_weight",
     "candidates",
+    "calibration_method",
 )
 # The schemes mixed precision chooses among when AOQConfig(target_bits_per_weight=...) names none.
 DEFAULT_CANDIDATES = ("int4:g64", "int4", "int8")
+CALIBRATION_METHODS = ("gptq", "awq", "smoothquant")  # hf_aoq.calibration has the same
 
 
 class AOQConfig(QuantizationConfigMixin):
@@ -59,6 +61,9 @@ class AOQConfig(QuantizationConfigMixin):
     candidates               the scheme names to choose among (hf_aoq.sensitivity.parse_candidate:
                              "int4", "int4:g64", "int8", "int4-plain:g128", "bf16", ...; default
                              DEFAULT_CANDIDATES)
+    calibration_method       what `calibration` chooses: "gptq" (default: int4 weights),
+                             "awq" (activation-aware scales for int4 and Int4DQ, hf_aoq.awq) or
+                             "smoothquant" (for int8-dynamic, hf_aoq.smoothquant)
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class AOQConfig(QuantizationConfigMixin):
         include_embeddings: bool | None = None,
         target_bits_per_weight: float | None = None,
         candidates: list[str] | None = None,
+        calibration_method: str = "gptq",
     ):
         include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
         for name, value in (
@@ -113,6 +119,9 @@ class AOQConfig(QuantizationConfigMixin):
         if calibration is None and not dequantize and _static_scale_missing(quant_type):
             raise AOQError("AOQConfig: Float8StaticActivationFloat8WeightConfig.scale is None and there is no "
                            "calibration; give scale=<a positive number> or calibration=<a text file>")
+        if calibration_method not in CALIBRATION_METHODS:
+            raise AOQError(f"AOQConfig.calibration_method must be one of {CALIBRATION_METHODS}, got {calibration_method!r}")
+        self.calibration_method = calibration_method
         self.calibration = None if calibration is None else os.fspath(calibration)
         self.calibration_tokens = calibration_tokens
         self.target_bits_per_weight = None if target_bits_per_weight is None else float(target_bits_per_weight)
@@ -140,6 +149,7 @@ class AOQConfig(QuantizationConfigMixin):
                if self.calibration is not None else {}),
             **({"target_bits_per_weight": self.target_bits_per_weight, "candidates": list(self.candidates)}
                if self.target_bits_per_weight is not None else {}),
+            **({"calibration_method": self.calibration_method} if self.calibration_method != "gptq" else {}),
         }
 
     @classmethod
@@ -196,6 +206,11 @@ class AOQConfig(QuantizationConfigMixin):
         if candidates is not None and not (isinstance(candidates, list) and all(isinstance(c, str) for c in candidates)):
             raise FormatError(f"{where}.candidates: expected a list of scheme names or null, got {candidates!r}")
         args["candidates"] = candidates
+        calibration_method = config_dict.get("calibration_method", "gptq")
+        if calibration_method not in CALIBRATION_METHODS:
+            raise FormatError(f"{where}.calibration_method: expected one of {CALIBRATION_METHODS}, "
+                              f"got {calibration_method!r}")
+        args["calibration_method"] = calibration_method
         unused = {}
         for key, value in kwargs.items():
             if key in args:

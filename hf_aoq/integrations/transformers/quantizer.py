@@ -15,7 +15,7 @@ from transformers.quantizers import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from ... import model_card, serialization
-from ...configs import AOQBaseConfig, FqnToConfig, Int4WeightOnlyConfig
+from ...configs import AOQBaseConfig, FqnToConfig
 from ...core import memory
 from ...core.errors import AOQError, FormatError
 from ...core.registry import DTYPES, tensor_type
@@ -362,11 +362,14 @@ class AOQHfQuantizer(HfQuantizer):
         recipe = FqnToConfig({n: d.config for name, d in self._plan.items() for n in (name, *d.tied)})
         # One step per numbered block with int4 linears (what calibration.py reports through `log`),
         # in transformers' progress style (its tqdm honours disable_progress_bar()).
+        method = config.calibration_method
+        calibrated = calibration.calibrated_configs(method)
         blocks = {m.group(0) for name, cfg in self._configs.items()
-                  if isinstance(cfg, Int4WeightOnlyConfig) and (m := _BLOCK.match(name))}
-        with hf_logging.tqdm(total=len(blocks) or None, desc="GPTQ calibration", unit="block") as bar:
+                  if isinstance(cfg, calibrated) and (m := _BLOCK.match(name))}
+        with hf_logging.tqdm(total=len(blocks) or None, desc=f"{method.upper()} calibration", unit="block") as bar:
             report = calibration.quantize_with_calibration(
-                model, recipe, batches, log=lambda message: (bar.set_postfix_str(message.split(" (")[0]), bar.update())
+                model, recipe, batches, log=lambda message: (bar.set_postfix_str(message.split(" (")[0]), bar.update()),
+                method=method,
             )
         logger.info("hf_aoq: %s", report.summary())
 
