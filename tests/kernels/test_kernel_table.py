@@ -293,6 +293,8 @@ def test_compiled_graphs_run_the_kernel_eager_mode_runs(config):
         "cpu_int8pack_mm": ["hf_aoq.int8pack_mm_cpu.default"],
         "cpu_fp8_gemv": ["hf_aoq.fp8_linear_io_cpu.default"],
         "cpu_int4dq_ext": ["hf_aoq.int4dq_linear_io_cpu.default"],
+        "cpu_intx_ext": ["hf_aoq.intx_linear_io_cpu.default"],
+        "cpu_int8_int4_ext": ["hf_aoq.int8_int4_linear_io_cpu.default"],
     }.get(kernel.name, [])
     assert custom == expected, (kernel.name, ops)
     if kernel.name == "cpu_int4pack_mm":

@@ -110,8 +110,8 @@ def test_aoq_config_refuses_incomplete_mixed_precision(tmp_path):
         AOQConfig(target_bits_per_weight=4.5)
     with pytest.raises(AOQError, match="give target_bits_per_weight too"):
         AOQConfig(Int8WeightOnlyConfig(), candidates=["int4"])
-    with pytest.raises(AOQError, match="unknown scheme 'int5'"):
-        AOQConfig(target_bits_per_weight=4.5, calibration="t.txt", candidates=["int5"])
+    with pytest.raises(AOQError, match="unknown scheme 'int9'"):
+        AOQConfig(target_bits_per_weight=4.5, calibration="t.txt", candidates=["int9"])
     with pytest.raises(AOQError, match=r"in \(0, 32\]"):
         AOQConfig(target_bits_per_weight=-1, calibration="t.txt")
     config = AOQConfig(target_bits_per_weight=4.5, calibration="t.txt")

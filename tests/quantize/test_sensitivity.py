@@ -39,8 +39,8 @@ def test_candidates_are_scheme_names_with_an_optional_group_size():
     assert c[0].config == Int4DQWeightOnlyConfig(32) and c[1].config == Int4WeightOnlyConfig(32)
     assert c[2].config == Int8WeightOnlyConfig() and c[3].config == Int4DQWeightOnlyConfig(64) and c[4].config is None
     assert parse_candidates([Int8WeightOnlyConfig(64)])[0].config == Int8WeightOnlyConfig(64)
-    with pytest.raises(AOQError, match="unknown scheme 'int5'"):
-        parse_candidates("int5")
+    with pytest.raises(AOQError, match="unknown scheme 'int9'"):
+        parse_candidates("int9")
     with pytest.raises(AOQError, match=":g<N>"):
         parse_candidates("int4-plain:32")
     with pytest.raises(AOQError, match="repeat"):
