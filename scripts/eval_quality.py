@@ -130,14 +130,14 @@ def hf_aoq_options(calibration):
 
 # Mixed precision (hf_aoq.mixed_precision): one sensitivity report on the calibration tokens,
 # made once per run (or read with --sensitivity), then a recipe per budget. The schemes are the
-# weight-only ones (the report measures weight error; mx and -dyn also quantize activations);
-# a sub-4-bit scheme joins the list once hf_aoq.configs.SCHEMES has one.
-MIXED_CANDIDATES = ["int4", "int4-plain", "int4-plain:g256", "int8"] + [s for s in ("int3", "int2") if s in hf_aoq.configs.SCHEMES]
+# weight-only ones (the report measures weight error; mx and -dyn also quantize activations),
+# with the sub-4-bit IntxTensor schemes so that the 4.0 and 3.5 budgets have something below 4 bits.
+MIXED_CANDIDATES = ["int4", "int4-plain", "int4-plain:g256", "int8", "int3:g64", "int3:g32", "int2:g32"]
 MIXED_BUDGETS = (4.2, 4.25, 4.3, 4.5, 5.0, 4.0, 3.5)
 _REPORT = {}
 
 
-def mixed_options(calibration, report_path=None):
+def mixed_options(calibration, report_path=None, save_path=None):
     from hf_aoq.mixed_precision import apply_plan, choose_recipe
     from hf_aoq.sensitivity import SensitivityReport, analysis_plan, parse_candidates, sensitivity
 
@@ -149,6 +149,8 @@ def mixed_options(calibration, report_path=None):
                     _REPORT["report"] = SensitivityReport.from_dict(json.load(f), where=report_path)
             else:
                 _REPORT["report"] = sensitivity(m, MIXED_CANDIDATES, [torch.cat(calibration)], decisions=decisions)
+                if save_path:
+                    _REPORT["report"].save(save_path)
         report = _REPORT["report"]
         chosen = choose_recipe(report, bits, candidates=MIXED_CANDIDATES)
         apply_plan(m, chosen, decisions)
@@ -179,6 +181,8 @@ def main() -> None:
     parser.add_argument("--sensitivity", metavar="REPORT.json",
                         help="mixed-precision rows: read this sensitivity report (hf_aoq.sensitivity, made on the "
                              "calibration tokens) instead of measuring one (its time is then not in quantize (s))")
+    parser.add_argument("--save-sensitivity", metavar="REPORT.json",
+                        help="mixed-precision rows: write the sensitivity report measured here, for a later --sensitivity")
     args = parser.parse_args()
 
     base, tokenizer = smollm2.load(torch.bfloat16)
@@ -190,7 +194,7 @@ def main() -> None:
     rows = [{"option": "bf16", "ppl": baseline, "bits_per_weight": 16.0, "quantize_s": 0.0}]
     print(f"| option | bits/weight | perplexity | vs bf16 | quantize (s) |\n|---|---|---|---|---|")
     print(f"| bf16 | 16 | {baseline:.2f} | | |", flush=True)
-    for name, apply in [*hf_aoq_options(calibration), *mixed_options(calibration, args.sensitivity), *peer_options()]:
+    for name, apply in [*hf_aoq_options(calibration), *mixed_options(calibration, args.sensitivity, args.save_sensitivity), *peer_options()]:
         if args.only and not any(s in name for s in args.only):
             continue
         model = copy.deepcopy(base)

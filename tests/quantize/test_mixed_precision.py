@@ -158,3 +158,22 @@ def test_smollm2_down_projections_at_six_bits_lose_less_than_uniform_int4():
     mixed = perplexity.perplexity(model, scored)
     assert mixed - base < 0.6 * (worst - base), (base, mixed, worst)
     assert 0.8 < chosen.predicted_perplexity(base) / mixed < 1.25
+
+
+def test_sub_four_bit_candidates_fill_a_budget_below_int4():
+    """The IntxTensor schemes with a group size ("int3:g64", "int2:g32", as scripts/eval_quality.py
+    lists them) are candidates: sized by their own bits, and chosen where a budget under int4 needs them."""
+    from hf_aoq.tensors.intx import IntxTensor
+
+    model = trained_tiny_model(30)
+    calibration = [markov_tokens(8, 65, seed=2)]
+    chosen, report = quantize_mixed_precision(model, 3.5, "int4,int3:g64,int2:g32", calibration)
+    bits = {name: {m.bits for l in report.layers if (m := l.results[name]) is not None} for name in
+            ("int4", "int3:g64", "int2:g32")}
+    # float32 model, so float32 group scales: 3 + 32/64 and 2 + 32/32 (Int4DQ: 4.5 and more on these small shapes)
+    assert bits["int3:g64"] == {3.5} and bits["int2:g32"] == {3.0} and min(bits["int4"]) >= 4.5
+    assert chosen.bits_per_weight <= 3.5 and set(chosen.counts) & {"int3:g64", "int2:g32"}
+    for name, scheme in chosen.choices.items():
+        weight = model.get_parameter(name)
+        assert isinstance(weight, IntxTensor) == (scheme != "int4")
+    assert math.isfinite(mean_loss(model, [markov_tokens(16, 65, seed=3)]))
