@@ -1,7 +1,8 @@
 """IntxTensor act_quant "per_token_asymmetric": torchao's IntxUnpackedToInt8Tensor
 "int8_asym_per_token" activations (a scale and an int8 zero point per token, every step in the
-activation's dtype), against a float64 implementation of torchao's formula written here; the
-config that makes it; save/reload; the C++ rows refusing it so the reference kernel runs."""
+activation's dtype), against a float64 implementation of torchao's formula
+(tests/torchao_formulas.py); the config that makes it; save/reload; the C++ rows refusing it so
+the reference kernel runs."""
 from __future__ import annotations
 
 import json
@@ -15,24 +16,9 @@ from hf_aoq import AOQError, PerGroup, PerRow, quantize_, serialization
 from hf_aoq.configs import Int8DynamicActivationIntxWeightConfig, recipe_from_dict, recipe_to_dict
 from hf_aoq.kernels import registry
 from hf_aoq.tensors.intx import IntxTensor
+from torchao_formulas import torchao_int8_asym_per_token64 as torchao_fake_quant64
 
 ASYM = "per_token_asymmetric"
-
-
-def torchao_fake_quant64(x: torch.Tensor) -> torch.Tensor:
-    """torchao's choose_qparams_affine (ASYMMETRIC, int8, eps of the dtype), quantize_affine and
-    dequantize_affine per row, in float64, each of torchao's operations rounded to x's dtype
-    where torchao computes it in that dtype (float64 then one rounding is the dtype's correctly
-    rounded result for bf16, fp16 and fp32)."""
-    d = x.dtype
-    r = lambda t: t.to(d).double()  # noqa: E731
-    x64 = x.double()
-    lo = x64.min(dim=-1, keepdim=True).values.clamp(max=0)
-    hi = x64.max(dim=-1, keepdim=True).values.clamp(min=0)
-    scale = r(r(hi - lo) / 255.0).clamp(min=torch.finfo(d).eps)
-    zp = (-128 - torch.round(r(lo / scale))).clamp(-128, 127)
-    q = r(torch.round(r(x64 * r(1.0 / scale))) + zp).clamp(-128, 127)
-    return r((q - zp) * scale)
 
 
 def activations(dtype: torch.dtype) -> torch.Tensor:
