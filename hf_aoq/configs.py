@@ -387,25 +387,32 @@ class IntxWeightOnlyConfig(AOQBaseConfig):
 @register_config_type
 @dataclass(frozen=True)
 class Int8DynamicActivationIntxWeightConfig(AOQBaseConfig):
-    """IntxWeightOnlyConfig's weights, and activations quantized to int8 per token at run time
-    (IntxTensor with act_quant "per_token"). The activations are quantized symmetrically, as
-    Int8DynamicActivationInt8WeightConfig's are (torchao's default for this config is
-    asymmetric per-token activations; hf_aoq has the symmetric ones only)."""
+    """IntxWeightOnlyConfig's weights, and activations quantized to int8 per token at run time.
+    `act_mapping_type` "symmetric" (default; IntxTensor act_quant "per_token", as
+    Int8DynamicActivationInt8WeightConfig's, with C++ kernels) or "asymmetric" (act_quant
+    "per_token_asymmetric": a zero point per token, computed as torchao's
+    IntxUnpackedToInt8Tensor computes it, on the reference kernel only). torchao's default is
+    asymmetric; hf_aoq's stays symmetric. `act_mapping_type` came after the config and is written
+    to the JSON only when set (OPTIONAL)."""
 
     weight_dtype: torch.dtype = torch.int8
     weight_granularity: PerGroup | PerRow = PerGroup(32)
     weight_mapping_type: str = "symmetric"
+    act_mapping_type: str = field(default="symmetric", metadata=OPTIONAL)
 
     def __post_init__(self):
         owner = type(self).__name__
         bits = _intx_bits(owner, "weight_dtype", self.weight_dtype, INT_DTYPES)
         _intx_group(owner, "weight_granularity", self.weight_granularity)
         _intx_symmetric(owner, "weight_mapping_type", self.weight_mapping_type, bits)
+        if self.act_mapping_type not in MAPPING_TYPES:
+            raise AOQError(f"{owner}.act_mapping_type must be one of {MAPPING_TYPES}; got {self.act_mapping_type!r}")
 
     def quantize_weight(self, weight, *, name="weight"):
         group = _intx_group(type(self).__name__, "weight_granularity", self.weight_granularity)
+        act = "per_token" if self.act_mapping_type == "symmetric" else "per_token_asymmetric"
         return IntxTensor.from_float(weight, INT_DTYPES[self.weight_dtype], group,
-                                     self.weight_mapping_type == "symmetric", act_quant="per_token", name=name)
+                                     self.weight_mapping_type == "symmetric", act_quant=act, name=name)
 
 
 @register_config_type

@@ -12,6 +12,8 @@ new capability of a type, adds a generation to `GENERATIONS` below.
     manifest.intx.json            IntxTensor (new type: 1- to 8-bit bit-packed codes), schema version 1
     manifest.act_variants.json    Int4Tensor with activation attributes (int8, int4, float8 per
                                   token) and Float8Tensor with a static act_scale, schema version 1
+    manifest.intx_asym_act.json   IntxTensor with act_quant "per_token_asymmetric" (torchao's int8
+                                  asymmetric per-token activations), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -207,6 +209,18 @@ def state_dicts_act_variants() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_intx_asym_act() -> dict[str, dict[str, torch.Tensor]]:
+    asym = functools.partial(IntxTensor.from_float, act_quant="per_token_asymmetric")
+    return {
+        "v1_intx_asym_act": {
+            # Int8DynamicActivationIntxWeightConfig(act_mapping_type="asymmetric"), as
+            # convert-torchao makes it from torchao's int8_asym_per_token weights.
+            "int4_asym_g32_bf16": asym(weight(51, 16, 64, BF16), 4, 32, symmetric=False),
+            "int3_sym_row_f16": asym(weight(52, 8, 80, F16), 3, None),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
@@ -214,6 +228,7 @@ GENERATIONS = {
     "manifest.mx.json": state_dicts_mx,
     "manifest.intx.json": state_dicts_intx,
     "manifest.act_variants.json": state_dicts_act_variants,
+    "manifest.intx_asym_act.json": state_dicts_intx_asym_act,
 }
 
 

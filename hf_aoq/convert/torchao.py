@@ -12,9 +12,12 @@ docs/torchao.md describes the format and the mapping:
     IntxUnpackedToInt8Tensor int4, group      Int4Tensor      zero = -zero_point * scale
                              int8, symmetric  Int8Tensor
                              other int1-int8  IntxTensor      codes + 2^(b-1), bit-packed
+                             any, with int8   IntxTensor      act_quant per_token_asymmetric
+                             asym per-token
+                             activations
 
-Anything else (another torchao type, another bit width or block shape, asymmetric int8,
-activation pre-scales, static activation scales) is refused with an error that names the tensor
+Anything else (another torchao type, another bit width or block shape, asymmetric int8 in
+Int8Tensor, activation pre-scales, static activation scales) is refused with an error that names the tensor
 and what it uses, so a conversion never produces a model that computes something else. Every
 converted weight is dequantized both ways (torchao's formula on torchao's fields, and hf_aoq's
 `dequantize`) and the two must agree to the rounding of the weight's dtype.
@@ -39,6 +42,7 @@ from ..configs import (
     FqnToConfig,
     Int4WeightOnlyConfig,
     Int8DynamicActivationInt8WeightConfig,
+    Int8DynamicActivationIntxWeightConfig,
     Int8WeightOnlyConfig,
     IntxWeightOnlyConfig,
 )
@@ -313,9 +317,10 @@ def _intx_tensor(r: Record):
     qdata, shape, dtype, block, grid = _int8_codes(r)
     n, k = shape
     act = r.attributes.get("activation_quantization")
-    if act is not None:
-        raise r.fail(f"activation_quantization {show(act)}: torchao quantizes activations asymmetrically per "
-                     f"token; hf_aoq has no such scheme for these weights")
+    asym_acts = act in _ASYM_PER_TOKEN
+    if act is not None and not asym_acts:
+        raise r.fail(f"activation_quantization {show(act)}: this converter knows only torchao's "
+                     f"'int8_asym_per_token' (or none)")
     scale = r.tensor("scale", tuple(FLOAT_DTYPES.values()), grid)
     zp = r.tensor("zero_point", (torch.int8,) + tuple(FLOAT_DTYPES.values()), grid)
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -323,6 +328,9 @@ def _intx_tensor(r: Record):
     expand = lambda t: t.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)  # noqa: E731
     want = ((qdata.to(dtype) - expand(zp).to(dtype)) * expand(scale)).to(dtype)
     symmetric = not bool(zp.any())
+    if asym_acts:  # only IntxTensor has torchao's asymmetric per-token int8 activations
+        return _intx_from_codes(r, qdata, scale, zp, bits, symmetric, shape, dtype, block, want,
+                                act_quant="per_token_asymmetric")
     if bits == 4:
         if block[0] != 1 or block[1] not in GROUP_SIZES:
             raise r.fail(f"int4 with block_size {list(block)}: hf_aoq's Int4Tensor takes groups of one row and "
@@ -349,9 +357,17 @@ def _intx_tensor(r: Record):
     return _intx_from_codes(r, qdata, scale, zp, bits, symmetric, shape, dtype, block, want)
 
 
-def _intx_from_codes(r: Record, qdata, scale, zp, bits: int, symmetric: bool, shape, dtype, block, want):
-    """Other bit widths (and asymmetric int8): IntxTensor, codes q + 2^(b-1) bit-packed, the
-    zero point as in the int4 case (zero = -zero_point * scale, in float32)."""
+# torchao's IntxUnpackedToInt8TensorActivationQuantization.INT8_ASYM_PER_TOKEN, as its value or as
+# an enum object: activations fake-quantized to int8 per token with a zero point before the
+# matmul, which is IntxTensor's act_quant "per_token_asymmetric" (kernels.common).
+_ASYM_PER_TOKEN = ("int8_asym_per_token", Enum("IntxUnpackedToInt8TensorActivationQuantization", "INT8_ASYM_PER_TOKEN"))
+
+
+def _intx_from_codes(r: Record, qdata, scale, zp, bits: int, symmetric: bool, shape, dtype, block, want,
+                     act_quant: str | None = None):
+    """Other bit widths (and asymmetric int8, and any width with torchao's int8 activations):
+    IntxTensor, codes q + 2^(b-1) bit-packed, the zero point as in the int4 case
+    (zero = -zero_point * scale, in float32)."""
     n, k = shape
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     if block[0] != 1 or (block[1] not in intx.GROUP_SIZES and block[1] != k):
@@ -361,15 +377,20 @@ def _intx_from_codes(r: Record, qdata, scale, zp, bits: int, symmetric: bool, sh
         raise r.fail(f"int{bits} codes outside [{lo}, {hi}]")
     codes = intx.pack_intx((qdata.to(torch.int16) - lo).to(torch.uint8), bits)
     if symmetric:
-        out = IntxTensor(codes, scale.contiguous(), bits, block, shape, dtype)
+        out = IntxTensor(codes, scale.contiguous(), bits, block, shape, dtype, act_quant=act_quant)
     else:
         s32 = scale.float().contiguous()
-        out = IntxTensor(codes, s32, bits, block, shape, dtype, zero=(-zp.float() * s32).contiguous())
+        out = IntxTensor(codes, s32, bits, block, shape, dtype, zero=(-zp.float() * s32).contiguous(),
+                         act_quant=act_quant)
     granularity = PerRow() if block[1] == k else PerGroup(block[1])
     mapping = "symmetric" if symmetric and bits > 1 else "asymmetric"
-    config = IntxWeightOnlyConfig(INT_DTYPES_BY_BITS[bits], granularity, mapping)
     group = "per row" if block[1] == k else f"group {block[1]}"
-    return out, config, f"int{bits}, {group}, {'symmetric' if symmetric else 'asymmetric'}", want
+    detail = f"int{bits}, {group}, {'symmetric' if symmetric else 'asymmetric'}"
+    if act_quant is None:
+        return out, IntxWeightOnlyConfig(INT_DTYPES_BY_BITS[bits], granularity, mapping), detail, want
+    config = Int8DynamicActivationIntxWeightConfig(INT_DTYPES_BY_BITS[bits], granularity, mapping,
+                                                   act_mapping_type="asymmetric")
+    return out, config, detail + ", dynamic asymmetric per-token int8 activations", want
 
 
 _CONVERTERS: dict[str, tuple[Spec, Callable]] = {

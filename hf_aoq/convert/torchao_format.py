@@ -40,6 +40,9 @@ _OBJECT_TYPES = frozenset(
 _ENUM_TYPES = {
     "MappingType": frozenset({"SYMMETRIC", "ASYMMETRIC", "SYMMETRIC_NO_CLIPPING_ERR"}),
     "KernelPreference": frozenset({"AUTO", "TORCH", "MSLK", "FBGEMM", "EMULATED"}),
+    # IntxUnpackedToInt8Tensor.activation_quantization (a str enum: usually written as its plain
+    # value "int8_asym_per_token"; this is the object form, should a writer use it).
+    "IntxUnpackedToInt8TensorActivationQuantization": frozenset({"INT8_ASYM_PER_TOKEN"}),
 }
 
 

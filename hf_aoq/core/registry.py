@@ -60,7 +60,7 @@ ENUMS: dict[str, frozenset[str]] = {
     "Int8Tensor.packing": frozenset(),
     "Int8Tensor.act_quant": frozenset({"per_token"}),
     "IntxTensor.packing": frozenset(),
-    "IntxTensor.act_quant": frozenset({"per_token"}),
+    "IntxTensor.act_quant": frozenset({"per_token", "per_token_asymmetric"}),
     "Int4Tensor.act_quant": frozenset({"per_token"}),
     "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row", "static"}),
 }

@@ -41,6 +41,23 @@ def quantize_int_per_token(x2: torch.Tensor, qmax: int) -> tuple[torch.Tensor, t
     return torch.round(xf / scale).clamp_(-qmax, qmax).to(torch.int8), scale
 
 
+def fake_quantize_int8_per_token_asymmetric(x2: torch.Tensor) -> torch.Tensor:
+    """Asymmetric int8 per-token fake quantization of a 2-D activation, in x2's own dtype, as
+    torchao's IntxUnpackedToInt8Tensor does it for activation_quantization
+    "int8_asym_per_token": per row, lo = min(min x, 0), hi = max(max x, 0),
+    scale = max((hi - lo) / 255, eps of the dtype), zero point
+    zp = clamp(-128 - round(lo / scale), -128, 127), codes q = clamp(round(x * (1 / scale)) + zp,
+    -128, 127) (round half to even), and back (q - zp) * scale. Every step is in x2's dtype
+    (bf16 activations: bf16 scales), so the result is torchao's bit for bit."""
+    zero = x2.new_zeros(())
+    lo = torch.minimum(x2.amin(dim=-1, keepdim=True), zero)
+    hi = torch.maximum(x2.amax(dim=-1, keepdim=True), zero)
+    scale = ((hi - lo) / 255.0).clamp(min=torch.finfo(x2.dtype).eps)
+    zp = (-128 - torch.round(lo / scale)).clamp(-128, 127).to(torch.int8)
+    codes = (torch.round(x2 * (1.0 / scale)) + zp).clamp(-128, 127).to(torch.int8)
+    return (codes.to(torch.int32) - zp.to(torch.int32)).to(x2.dtype) * scale
+
+
 # An Int4Tensor's last group may be partial (K not a multiple of g). aten's int4 kernels need
 # whole groups, so the packings pad the codes with the midpoint code (8, weight value = zero)
 # and the kernels pad the input with zeros: the padded columns add zero * 0 to every output.

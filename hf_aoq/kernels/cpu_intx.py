@@ -39,6 +39,8 @@ INTX_AMX_MIN_ROWS = INTX_GEMV_MAX_ROWS + 1
 # int2 0.48, int3 0.64, int4 0.72, int8 1.16; 2 threads 0.56, 0.71, 0.78, 1.21; an earlier quieter
 # run 0.62, 0.75, 0.73, 1.06. (The int4 row includes F.linear's dispatch, a few microseconds.)
 BITS = tuple(range(1, 9))
+# Not "per_token_asymmetric" (IntxTensor's torchao-style activations with zero points): the C++
+# reads symmetric int8 codes only, so those weights run on the reference kernel.
 ACT_QUANTS = (None, "per_token")
 
 

@@ -10,8 +10,10 @@ Canonical layout (what is saved), weight [N, K], b = `bits`, g = block_size[1]:
     scale      [N, ceil(K / g)]             in the weight's dtype
     zero       [N, ceil(K / g)] or None     the value that code 2^(b-1) stands for; None = symmetric
     bits       1 .. 8
-    act_quant  None (weight-only) or "per_token" (activations quantized to int8 per token at run
-               time, exactly as Int8Tensor's)
+    act_quant  None (weight-only), "per_token" (activations quantized to int8 per token at run
+               time, exactly as Int8Tensor's: symmetric) or "per_token_asymmetric" (int8 per
+               token with a zero point, torchao's "int8_asym_per_token": the reference kernel
+               fake-quantizes the activation, kernels.common.fake_quantize_int8_per_token_asymmetric)
     w = (q - 2^(b-1)) * scale + zero        q unsigned in [0, 2^b - 1]
 
 g is one of GROUP_SIZES or K (one group per row). K need not be a multiple of g: the last group
@@ -28,7 +30,7 @@ import torch
 from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, choose_qparams_affine, dequantize_affine, quantize_affine
 from ..core.registry import register_tensor_type
-from ..kernels.common import quantize_int8_per_token
+from ..kernels.common import fake_quantize_int8_per_token_asymmetric, quantize_int8_per_token
 from .common import (
     BlockGridTensor,
     DevicePacked,
@@ -41,7 +43,8 @@ from .common import (
 
 BITS = tuple(range(1, 9))
 GROUP_SIZES = (16, 32, 64, 128, 256)  # or K: one group per row
-ACT_QUANTS = (None, "per_token")
+ACT_QUANTS = (None, "per_token", "per_token_asymmetric")
+ASYMMETRIC_ACTS = "per_token_asymmetric"  # no integer kernel: the reference fake-quantizes
 DEFAULT_QPARAMS = "mse"
 
 
@@ -177,7 +180,15 @@ class IntxTensor(DevicePacked, BlockGridTensor):
 
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Symmetric int8 codes and float32 scales, one per token (row): Int8Tensor's."""
+        if self.act_quant == ASYMMETRIC_ACTS:
+            raise AOQError("IntxTensor act_quant 'per_token_asymmetric' has zero points, not symmetric codes; "
+                           "only simulate_input_quantization (the reference kernel) takes it")
         return quantize_int8_per_token(x2)
+
+    def simulate_input_quantization(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant != ASYMMETRIC_ACTS or x.numel() == 0:
+            return super().simulate_input_quantization(x)
+        return fake_quantize_int8_per_token_asymmetric(x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
     def slice_fields(self, dim: int, start: int, end: int) -> "IntxTensor":
         if dim % self.ndim == 0:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -566,3 +567,64 @@ def test_script_takes_max_shard_size(tmp_path, converted, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--max-shard-size 30XB: not a size" in err.splitlines()[-1] and not (tmp_path / "bad").exists()
+
+
+# ---------------------------------------------------------------------- int8 asymmetric activations
+def with_activation_quantization(value):
+    """Every IntxUnpackedToInt8Tensor entry's activation_quantization set to `value`, as torchao's
+    Int8DynamicActivationIntxWeightConfig (act_mapping_type ASYMMETRIC) writes it."""
+    def edit(meta):
+        for name, entry in list(meta.items()):
+            if name != "tensor_names" and '"IntxUnpackedToInt8Tensor"' in entry:
+                e = json.loads(entry)
+                e["_data"]["activation_quantization"] = value
+                meta[name] = json.dumps(e)
+        return meta
+    return edit
+
+
+@pytest.mark.parametrize("value", ["int8_asym_per_token",
+                                   {"_type": "IntxUnpackedToInt8TensorActivationQuantization",
+                                    "_data": "INT8_ASYM_PER_TOKEN"}], ids=["value", "enum"])
+def test_int8_asymmetric_activations_convert_to_intx(value, tmp_path):
+    """IntxUnpackedToInt8Tensor with int8 asymmetric per-token activations: an IntxTensor with
+    act_quant "per_token_asymmetric" whose linear is torchao's (the activation fake-quantized by
+    torchao's formula, then the dequantized weight), exactly."""
+    from torchao_formulas import torchao_int8_asym_per_token64
+
+    src = edited_copy(tmp_path, "intx_int4_g64_asym", metadata=with_activation_quantization(value))
+    summary = convert_torchao_checkpoint(src, tmp_path / "out")
+    assert len(summary.tensors) == LINEAR_WEIGHTS
+    acts = "asymmetric, dynamic asymmetric per-token int8 activations"
+    assert {(t.torchao_type, t.aoq_type, t.detail) for t in summary.tensors} == {
+        ("IntxUnpackedToInt8Tensor", "IntxTensor", f"int4, group 64, {acts}"),
+        ("IntxUnpackedToInt8Tensor", "IntxTensor", f"int4, per row, {acts}"),  # the weights with 64 inputs
+    }
+    recipe = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["quant_type"]
+    text = json.dumps(recipe)
+    assert "Int8DynamicActivationIntxWeightConfig" in text and '"act_mapping_type": "asymmetric"' in text
+
+    model = load(tmp_path / "out")
+    name = "model.layers.0.mlp.down_proj.weight"
+    key = "model.layers.0.mlp.down_proj._weight_"
+    w = model.get_parameter(name)
+    assert isinstance(w, hf_aoq.IntxTensor) and w.act_quant == "per_token_asymmetric" and w.bits == 4
+    fields = load_file(src / "model.safetensors")
+    q, s, zp = (fields[key + f] for f in ("qdata", "scale", "zero_point"))
+    g = q.shape[1] // s.shape[1]
+    torchao_w = ((q.to(torch.bfloat16) - zp.to(torch.bfloat16).repeat_interleave(g, 1))
+                 * s.repeat_interleave(g, 1)).to(torch.bfloat16)
+    x = torch.randn(3, 5, q.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x[0, 0] = x[0, 0].abs()  # a token with no negative value
+    want = F.linear(torchao_int8_asym_per_token64(x).to(torch.bfloat16), torchao_w)
+    assert torch.equal(F.linear(x, w), want)
+    ref = reference("intx_int4_g64_asym")
+    logits = logits_of(model, ref["input_ids"])
+    assert torch.isfinite(logits).all()
+    check_logits(logits, ref["logits"], dynamic=True)  # torchao's weight-only model, now with int8 activations
+
+
+def test_unknown_activation_quantization_is_refused(tmp_path):
+    src = edited_copy(tmp_path, "intx_int4_g64_asym", metadata=with_activation_quantization("int8_sym_per_token"))
+    assert_refused(src, tmp_path / "out", "IntxUnpackedToInt8Tensor", "activation_quantization",
+                   "'int8_sym_per_token'", "int8_asym_per_token")
