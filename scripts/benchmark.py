@@ -54,13 +54,26 @@ TINY_MOE = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 # hf_aoq only: int4dq (Int4DQTensor, groups of 32 with 4-bit group parameters: the command line's
 # int4), and int4-head, int4 with lm_head quantized too (int4 g128; a tied lm_head is untied
 # first), since at batch 1 the bf16 lm_head is the largest single weight read per token.
+# The rest are hf_aoq.configs.config_for_scheme's names, with its defaults: int2..int6 (IntxTensor,
+# groups of 32), int8-int2..int8-int6 (the same with int8 per-token activations), int8-int4,
+# fp8-int4, int4-int4 (Int4Tensor with activations quantized per token) and fp8-static (float8
+# with a static per-tensor activation scale per linear, calibrated before timing: see CALIBRATION).
 SCHEMES = ("int4", "int8", "int8dyn", "fp8", "fp8dyn")
+NAMED_SCHEMES = ("int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
+                 "int8-int4", "fp8-int4", "int4-int4", "fp8-static")
+# fp8-static's activation scales: chosen by hf_aoq.calibrate_activation_scales on CALIBRATION
+# batches of 128 tokens: random ids of another seed than the timed ones on the benchmark model
+# (it has no tokenizer), and prose from past the scored text on SmolLM2 in the fidelity step.
+# Calibration hooks nn.Linear inputs only, so with --moe the fused 3-D experts stay bf16 there.
+CALIBRATION = (2, 128)
 CONFIGS: dict[str, tuple[str, str | None]] = {"bf16": ("plain", "bf16"), "fp32": ("plain", "fp32")}
 for _s in SCHEMES:
     CONFIGS[_s] = ("hf_aoq", _s)
     if _s == "int4":
         CONFIGS["int4dq"] = ("hf_aoq", "int4dq")
         CONFIGS["int4-head"] = ("hf_aoq", "int4-head")
+for _s in NAMED_SCHEMES:
+    CONFIGS[_s] = ("hf_aoq", _s)
 for _s in SCHEMES:
     CONFIGS[f"torchao-{_s}"] = ("torchao", _s)
 for _s in SCHEMES:
@@ -122,9 +135,16 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def hf_aoq_config(scheme: str):
+def hf_aoq_config(scheme: str, recipe=None):
     import hf_aoq
+    from hf_aoq.configs import config_for_scheme
 
+    if scheme == "fp8-static":
+        if recipe is None:
+            raise BenchError("fp8-static needs its calibrated recipe (static_scales_recipe)")
+        return recipe
+    if scheme in NAMED_SCHEMES:
+        return config_for_scheme(scheme)
     if scheme == "int4":
         # Groups of 128 everywhere: where 128 does not divide the input size (SmolLM2's 576),
         # the last group of each row is partial.
@@ -142,14 +162,15 @@ def hf_aoq_config(scheme: str):
     }[scheme]()
 
 
-def quantization_config(backend: str, scheme: str):
-    """The transformers quantization_config for a configuration (None for bf16/fp32)."""
+def quantization_config(backend: str, scheme: str, recipe=None):
+    """The transformers quantization_config for a configuration (None for bf16/fp32); `recipe` is
+    fp8-static's calibrated FqnToConfig."""
     if backend == "plain":
         return None
     if backend == "hf_aoq":
         import hf_aoq
 
-        return hf_aoq.AOQConfig(hf_aoq_config(scheme), untie_embedding_weights=scheme == "int4-head")
+        return hf_aoq.AOQConfig(hf_aoq_config(scheme, recipe), untie_embedding_weights=scheme == "int4-head")
     if backend == "torchao":
         import torchao.quantization as tq
         from transformers import TorchAoConfig
@@ -174,14 +195,41 @@ def quantization_config(backend: str, scheme: str):
     raise BenchError(f"unknown backend {backend!r}")
 
 
-def load(path, backend: str, scheme: str, prequantized: bool = False):
+def static_scales_recipe(path, batches):
+    """fp8-static's recipe for the model at `path`: the bf16 model's linear inputs on `batches`
+    (token id tensors) give each linear its activation scale. The recipe names exact weights, which
+    would override AOQConfig's default skip of lm_head, so it leaves lm_head out itself, as every
+    other config does. The bf16 copy is freed after."""
+    import gc
+
+    import hf_aoq
+    from hf_aoq.configs import config_for_scheme
+    from torch import nn
+
+    model = load(path, "plain", "bf16")
+    head = model.get_output_embeddings()
+    recipe = hf_aoq.calibrate_activation_scales(model, config_for_scheme("fp8-static"), batches,
+                                                filter_fn=lambda m, _: isinstance(m, nn.Linear) and m is not head)
+    del model
+    gc.collect()
+    return recipe
+
+
+def calibration_ids(vocab: int):
+    import torch
+
+    n, t = CALIBRATION
+    return list(torch.randint(0, vocab, (n, 1, t), generator=torch.Generator().manual_seed(1)))
+
+
+def load(path, backend: str, scheme: str, prequantized: bool = False, recipe=None):
     import torch
     from transformers import AutoModelForCausalLM
 
     if backend != "plain":
         import hf_aoq  # noqa: F401  (registers "aoq"; harmless for the peers)
     dtype = torch.float32 if scheme == "fp32" else torch.bfloat16
-    kwargs = {} if prequantized or backend == "plain" else {"quantization_config": quantization_config(backend, scheme)}
+    kwargs = {} if prequantized or backend == "plain" else {"quantization_config": quantization_config(backend, scheme, recipe)}
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs).eval()
 
 
@@ -246,9 +294,15 @@ def child_measure(a) -> dict:
     torch.manual_seed(0)
     backend, scheme = CONFIGS[a.config]
     warm_imports(a.model, backend)  # so that load_s is loading, not importing modeling code
-    res = {"rss_before_load_mb": rss_mb()}
+    res, recipe = {}, None
+    if scheme == "fp8-static":  # before the timer; its peak RSS counts the bf16 copy calibration loads
+        start = time.perf_counter()
+        vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+        recipe = static_scales_recipe(a.model, calibration_ids(vocab))
+        res["calibrate_s"] = time.perf_counter() - start
+    res["rss_before_load_mb"] = rss_mb()
     start = time.perf_counter()
-    model = load(a.model, backend, scheme)
+    model = load(a.model, backend, scheme, recipe=recipe)
     res["load_s"] = time.perf_counter() - start
     res["load_peak_rss_mb"] = peak_rss_mb()
     res["model_bytes"], res["bytes_per_token"] = model_bytes(model)
@@ -307,16 +361,21 @@ def child_fidelity(a) -> dict:
         source = a.model
         vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
         ids = torch.randint(0, vocab, (1, a.fidelity_tokens), generator=torch.Generator().manual_seed(0))
+        calib = calibration_ids(vocab)
     else:
         source = a.smollm2_dir
         tokenizer = AutoTokenizer.from_pretrained(a.smollm2_dir)
         text = PROSE.read_text(encoding="utf-8", errors="replace")[:4000]
         ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : a.fidelity_tokens]
+        n, t = CALIBRATION  # from past the scored text
+        rest = tokenizer(PROSE.read_text(encoding="utf-8", errors="replace")[4000:20000], return_tensors="pt")["input_ids"]
+        calib = [rest[:, i * t:(i + 1) * t] for i in range(n)]
     ref_model = load(source, "plain", "bf16")
     with torch.inference_mode():
         ref = ref_model(input_ids=ids).logits.float()
     del ref_model
-    model = load(source, backend, scheme)
+    recipe = static_scales_recipe(source, calib) if scheme == "fp8-static" else None
+    model = load(source, backend, scheme, recipe=recipe)
     with torch.inference_mode():
         got = model(input_ids=ids).logits.float()
     noise = (ref - got).pow(2).mean()

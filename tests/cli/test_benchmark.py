@@ -57,10 +57,10 @@ def test_benchmark_runs_end_to_end(tmp_path):
 
 
 def test_benchmark_rejects_unknown_config(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--configs", "bf16,int3", "--out", ""],
+    result = subprocess.run([sys.executable, str(SCRIPT), "--configs", "bf16,int7", "--out", ""],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "int3" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "int7" in result.stderr
 
 
 def test_benchmark_moe_runs_with_quantized_experts(tmp_path):
@@ -81,3 +81,30 @@ def test_benchmark_moe_runs_with_quantized_experts(tmp_path):
     assert int4["model_bytes"] < 0.6 * bf16["model_bytes"]  # the experts quantized (bf16 embeddings and lm_head remain)
     assert 10 < int4["sqnr_db"] < float("inf")  # measured on the MoE itself, not SmolLM2
     assert any(k.startswith("linear Int4Tensor: ") for k in int4["kernels_decode"])
+
+
+def _calls(rows: list[str]) -> int:
+    return sum(int(r.rsplit("(", 1)[1].rstrip(")")) for r in rows)
+
+
+def test_benchmark_named_schemes_intx_and_calibrated_fp8_static(tmp_path):
+    """Two of config_for_scheme's schemes as benchmark rows: int3 (IntxTensor) and fp8-static,
+    whose activation scales are calibrated before timing, on the same linears as every other
+    config (lm_head stays bf16 although the calibrated recipe names weights exactly)."""
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int3,fp8-static",
+         "--no-fidelity", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32",
+         "--batches", "1", "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "2", "--threads", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for name in ("int3", "fp8-static"):
+        r = results[name]
+        assert "error" not in r and "reload_error" not in r and r["decode_tps"] > 0, (name, r)
+        assert r["reload_model_bytes"] == r["model_bytes"] < results["bf16"]["model_bytes"]
+    assert all(k.startswith("linear IntxTensor: ") for k in results["int3"]["kernels_decode"])
+    assert all(k.startswith("linear Float8Tensor: ") for k in results["fp8-static"]["kernels_decode"])
+    assert results["fp8-static"]["calibrate_s"] > 0 and "calibrate_s" not in results["int3"]
+    assert _calls(results["fp8-static"]["kernels_decode"]) == _calls(results["int3"]["kernels_decode"]) > 0
