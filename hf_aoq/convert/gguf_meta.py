@@ -32,31 +32,27 @@ class MetadataError(AOQError):
     """A model or tokenizer GGUF cannot describe (the message names the field)."""
 
 
+def _rename(name: str, top: dict, layer_re: str, layer: dict, layer_prefix: str) -> str | None:
+    module, _, leaf = name.rpartition(".")
+    if leaf not in ("weight", "bias"):
+        return None
+    if module in top:
+        return f"{top[module]}.{leaf}"
+    m = re.fullmatch(layer_re, module)
+    if m and m[2] in layer:
+        return f"{layer_prefix}.{m[1]}.{layer[m[2]]}.{leaf}"
+    return None
+
+
 def gguf_name(hf_name: str) -> str | None:
     """llama.cpp's name for a transformers parameter ("model.layers.3.mlp.up_proj.weight" ->
     "blk.3.ffn_up.weight"), or None when llama's GGUF architecture has no such tensor."""
-    module, _, leaf = hf_name.rpartition(".")
-    if leaf not in ("weight", "bias"):
-        return None
-    if module in _TOP:
-        return f"{_TOP[module]}.{leaf}"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
-    if m and m[2] in _LAYER:
-        return f"blk.{m[1]}.{_LAYER[m[2]]}.{leaf}"
-    return None
+    return _rename(hf_name, _TOP, r"model\.layers\.(\d+)\.(.+)", _LAYER, "blk")
 
 
 def hf_name(name: str) -> str | None:
     """The inverse of `gguf_name`."""
-    module, _, leaf = name.rpartition(".")
-    if leaf not in ("weight", "bias"):
-        return None
-    if module in _TOP_BACK:
-        return f"{_TOP_BACK[module]}.{leaf}"
-    m = re.fullmatch(r"blk\.(\d+)\.(.+)", module)
-    if m and m[2] in _LAYER_BACK:
-        return f"model.layers.{m[1]}.{_LAYER_BACK[m[2]]}.{leaf}"
-    return None
+    return _rename(name, _TOP_BACK, r"blk\.(\d+)\.(.+)", _LAYER_BACK, "model.layers")
 
 
 def permuted_heads(hf: str, config: dict) -> int | None:
