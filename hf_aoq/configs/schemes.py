@@ -1,0 +1,81 @@
+"""The scheme names (`hf-aoq quantize --scheme`, the scripts) and the one function that builds
+their configs."""
+from __future__ import annotations
+
+
+import torch
+
+from ..core.errors import AOQError
+from ..core.granularity import PerGroup
+from ..tensors import intx, mx
+from .recipe import AOQBaseConfig
+from .float8 import Float8DynamicActivationFloat8WeightConfig, Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig
+from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyConfig, Int4DynamicActivationInt4WeightConfig,
+                      Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig,
+                      Int8WeightOnlyConfig)
+from .intx import INT_DTYPES_BY_BITS, Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+from .microscaling import MXFPInferenceConfig
+
+
+# ---------------------------------------------------------------------- schemes by name
+# The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
+SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
+           "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
+           "int8-int4", "fp8-int4", "int4-int4", "fp8-static")
+INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
+INTX_DEFAULT_GROUP = 32
+# The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
+_INT4_ACT_SCHEMES = {
+    "int8-int4": Int8DynamicActivationInt4WeightConfig,
+    "fp8-int4": Float8DynamicActivationInt4WeightConfig,
+    "int4-int4": Int4DynamicActivationInt4WeightConfig,
+}
+
+
+def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConfig:
+    """The config a scheme name stands for. One rule: a scheme names one tensor type, and
+    `group_size` only changes that type's group size. int4 is Int4DQWeightOnlyConfig (groups of
+    32, or 64, with 4-bit group parameters: about the size of plain int4 in groups of 128 and far
+    more accurate); int4-plain is Int4WeightOnlyConfig (a float scale and zero per group of 128,
+    or 32, 64, 256; what GPTQ calibration chooses); int8 (per row, or groups of `group_size`),
+    int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups); mxfp8 and mxfp4 are MXFPInferenceConfig
+    with e4m3 or e2m1 weights and e4m3 activations, both in MX blocks of 32 (their only size);
+    int2, int3, int5 and int6 are IntxWeightOnlyConfig, symmetric, in groups of 32 (or 16, 64,
+    128, 256); int8-int2 .. int8-int6 are Int8DynamicActivationIntxWeightConfig with the same
+    weights and int8 per-token activations.
+    int8-int4, fp8-int4 and int4-int4 are int4 weights (groups of 32, 128 and 128 by default) with
+    int8, float8 (e4m3) or int4 activations quantized per token at run time; fp8-static is
+    Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses."""
+    intx_bits = INTX_SCHEME_BITS.get(scheme.removeprefix("int8-") if scheme.startswith("int8-int") else scheme)
+    if intx_bits is not None and scheme in SCHEMES:
+        g = INTX_DEFAULT_GROUP if group_size is None else group_size
+        if g not in intx.GROUP_SIZES:
+            raise AOQError(f"scheme {scheme}: group size must be one of {intx.GROUP_SIZES}, got {g}")
+        dtype = INT_DTYPES_BY_BITS[intx_bits]
+        if scheme.startswith("int8-"):
+            return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=PerGroup(g))
+        return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(g))
+    if scheme == "int4":
+        return Int4DQWeightOnlyConfig() if group_size is None else Int4DQWeightOnlyConfig(group_size=group_size)
+    if scheme == "int4-plain":
+        return Int4WeightOnlyConfig() if group_size is None else Int4WeightOnlyConfig(group_size=group_size)
+    if scheme == "int8":
+        return Int8WeightOnlyConfig(group_size=group_size)
+    if scheme in _INT4_ACT_SCHEMES:
+        cls = _INT4_ACT_SCHEMES[scheme]
+        return cls() if group_size is None else cls(group_size=group_size)
+    if scheme not in SCHEMES:
+        raise AOQError(f"unknown scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+    if scheme in ("mxfp8", "mxfp4"):
+        if group_size not in (None, mx.BLOCK_SIZE):
+            raise AOQError(f"scheme {scheme} has MX blocks of {mx.BLOCK_SIZE} only, got group size {group_size}")
+        weight = torch.float8_e4m3fn if scheme == "mxfp8" else mx.FP4
+        return MXFPInferenceConfig(activation_dtype=torch.float8_e4m3fn, weight_dtype=weight)
+    if group_size is not None:
+        raise AOQError(f"scheme {scheme} has no group size (it is per row); drop the group size or use int4/int8")
+    return {
+        "int8-dyn": Int8DynamicActivationInt8WeightConfig,
+        "fp8": Float8WeightOnlyConfig,
+        "fp8-dyn": Float8DynamicActivationFloat8WeightConfig,
+        "fp8-static": Float8StaticActivationFloat8WeightConfig,
+    }[scheme]()
