@@ -152,20 +152,26 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         )
 
     def slice_fields(self, dim: int, start: int, end: int) -> "Int4DQTensor":
+        """[start:end] of `dim`: of the experts (a 3-D tensor's dim 0, each with its own T_d and
+        T_c), of the rows (each with its row parameters) or of K (on group boundaries)."""
         c = self.to_canonical()
-        n, k = c.shape
-        if dim == 0:
-            return c.replace(
-                qdata=c.qdata[start:end], gparams=c.gparams[start:end], rparams=c.rparams[start:end],
-                shape=(end - start, k),
-            )
-        g = c.group_size
+        ndim = len(c.shape)
+        dim %= ndim
+        shape = list(c.shape)
+        shape[dim] = end - start
+        cut = (slice(None),) * dim + (slice(start, end),)
+        if dim < ndim - 1:
+            fields = {"qdata": c.qdata[cut], "gparams": c.gparams[cut], "rparams": c.rparams[cut]}
+            if dim < ndim - 2:  # experts: their per-tensor parameters too
+                fields["tparams"] = c.tparams[cut]
+            return c.replace(**fields, shape=tuple(shape))
+        g, k = c.group_size, c.shape[-1]
         if start % g or (end % g and end != k) or end % 2:
-            raise AOQError(f"Int4DQTensor: slice [{start}:{end}] of dim 1 must align with its groups of {g}")
+            raise AOQError(f"Int4DQTensor: slice [{start}:{end}] of dim {dim} must align with its groups of {g}")
         return c.replace(
-            qdata=c.qdata[:, start // 2 : end // 2],
-            gparams=c.gparams[:, start // g : -(-end // g)],
-            shape=(n, end - start),
+            qdata=c.qdata[..., start // 2 : end // 2],
+            gparams=c.gparams[..., start // g : -(-end // g)],
+            shape=tuple(shape),
         )
 
 

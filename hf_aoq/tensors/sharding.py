@@ -46,9 +46,12 @@ def _block_grid_cuts(t: BlockGridTensor, dim: int) -> FieldCuts:
 
 
 def _int4dq_cuts(t: Int4DQTensor, dim: int) -> FieldCuts:
-    if dim == 0:
-        return {"qdata": (0, 1), "gparams": (0, 1), "rparams": (0, 1), "tparams": None}
-    return {"qdata": (1, 2), "gparams": (1, t.group_size), "rparams": None, "tparams": None}
+    rows, cols = t.ndim - 2, t.ndim - 1
+    if dim < rows:  # the experts of a 3-D tensor, each with its own per-tensor parameters
+        return {"qdata": (dim, 1), "gparams": (dim, 1), "rparams": (dim, 1), "tparams": (dim, 1)}
+    if dim == rows:
+        return {"qdata": (dim, 1), "gparams": (dim, 1), "rparams": (dim, 1), "tparams": None}
+    return {"qdata": (cols, 2), "gparams": (cols, t.group_size), "rparams": None, "tparams": None}
 
 
 # Looked up along the MRO; a tensor type whose fields are not plain block grids adds its rule here.

@@ -76,11 +76,12 @@ def check_plan(layout: AOQTensor, param, name: str) -> None:
 
 
 def probe_layout(config, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> AOQTensor:
-    """`config` applied to a one-row random weight with the input dimension of `shape`: the
-    block layout a quantize-on-load weight will have, for `check_plan`."""
+    """`config` applied to a one-row random weight with the input dimension of `shape` (one
+    expert of one row for fused experts): the block layout a quantize-on-load weight will have,
+    for `check_plan`."""
     gen = torch.Generator().manual_seed(0)
     with torch.device("cpu"):
-        probe = torch.randn(1, shape[-1], generator=gen).to(dtype)
+        probe = torch.randn(*(1,) * (len(shape) - 1), shape[-1], generator=gen).to(dtype)
         return config.quantize_weight(probe, name=name)
 
 
