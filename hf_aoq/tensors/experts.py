@@ -94,7 +94,9 @@ def _index(func, types, args, kwargs):
         return _dequantized_call(func, args, kwargs)  # any other indexing, on the float weight
     ids = ids.to(torch.int64)
     e = self.shape[0]
-    if ids.numel() and bool(((ids < -e) | (ids >= e)).any()):
+    # Under torch.compile the ids are data (a check here would break the graph); index_select
+    # still refuses one out of range.
+    if not torch.compiler.is_compiling() and ids.numel() and bool(((ids < -e) | (ids >= e)).any()):
         raise IndexError(f"expert index out of range for {e} experts")
     ids = torch.where(ids < 0, ids + e, ids)
     fields = {n: f.index_select(0, ids) for n, f in self.tensor_fields().items()}
@@ -198,6 +200,9 @@ def grouped_mm(x: torch.Tensor, w, offs: torch.Tensor | None, bias=None, out_dty
         if offs is None or offs.ndim != 1 or offs.numel() != ws.shape[0]:
             raise AOQError(f"grouped_mm: offs must be a 1-D tensor of {ws.shape[0]} group ends, got "
                            f"{None if offs is None else tuple(offs.shape)}")
+        if torch.compiler.is_compiling():
+            out = _grouped_mm_traced(x, ws, transposed, offs, bias)
+            return out if out_dtype is None else out.to(out_dtype)
         out = x.new_zeros(x.shape[0], n)
         start = 0
         for e, end in enumerate(offs.tolist()):
@@ -208,6 +213,23 @@ def grouped_mm(x: torch.Tensor, w, offs: torch.Tensor | None, bias=None, out_dty
     if x.ndim == 3 and bias is not None:
         out = out + bias.unsqueeze(1)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def _grouped_mm_traced(x: torch.Tensor, ws: AOQTensor, transposed: bool, offs: torch.Tensor, bias) -> torch.Tensor:
+    """grouped_mm's 2-D case as torch.compile can trace it: the group ends are data, so instead
+    of slicing each expert's rows (which needs them on the host) every expert runs on every row
+    and keeps the rows of its group. E times the work of the eager path; the same answer."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    out = x.new_zeros(x.shape[0], ws.shape[1] if transposed else ws.shape[2])
+    for e in range(ws.shape[0]):
+        y = _times(x, expert(ws, e), transposed)
+        if bias is not None:
+            y = y + bias[e]
+        mine = (rows >= starts[e]) & (rows < ends[e])
+        out = torch.where(mine[:, None], y.to(out.dtype), out)
+    return out
 
 
 def _grouped_mm_fn(func, types, args, kwargs):
