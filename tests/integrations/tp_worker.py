@@ -8,8 +8,10 @@ case's "out" path, the other ranks' to "<out>.rank<r>". A case that raises recor
 HF_AOQ_TP_BACKEND=nccl runs it on one GPU per rank over NCCL (scripts/gpu_check.sh --tp2);
 the default is gloo on CPU.
 
-CASES.json: [{"path": ..., "out": ..., "api": "tp_plan" | "distributed_config",
+CASES.json: [{"path": ..., "out": ..., "api": "tp_plan" | "distributed_config" | "ep",
               "quant": null or a name in RECIPES, "input_ids": [[...]]}, ...]
+"ep" takes the DistributedConfig's arguments from the case's "distributed" (e.g. {"tp_plan":
+"auto", "ep_size": 2}); "experts_implementation", if given, goes to from_pretrained.
 """
 import json
 import os
@@ -26,6 +28,7 @@ RECIPES = {
     "int8": lambda h: h.Int8WeightOnlyConfig(),
     "fp8": lambda h: h.Float8WeightOnlyConfig(),
     "fp8_tensor": lambda h: h.Float8WeightOnlyConfig(granularity=h.PerTensor()),
+    "mx": lambda h: h.MXFPInferenceConfig(),
 }
 EMBEDDINGS = "+embeddings"  # a suffix: also quantize the input embedding and lm_head
 
@@ -57,10 +60,14 @@ def run_case(case, rank):
         quant.calibration = case["calibration"]
     if quant is not None:
         kwargs["quantization_config"] = quant
+    if case.get("experts_implementation"):
+        kwargs["experts_implementation"] = case["experts_implementation"]
     if case["api"] == "tp_plan":
         kwargs["tp_plan"] = "auto"
-    else:
+    elif case["api"] == "distributed_config":
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto")
+    else:  # "ep": the experts split between the ranks, whole (and the rest as `distributed`'s tp_plan says)
+        kwargs["distributed_config"] = DistributedConfig(**case["distributed"])
     model = AutoModelForCausalLM.from_pretrained(case["path"], **kwargs)
     ids = torch.tensor(case["input_ids"], device=model.device)
     with torch.no_grad():
@@ -72,7 +79,10 @@ def run_case(case, rank):
         params[name] = {"type": type(local).__name__, "shape": list(local.shape),
                         "global": list(p.shape)}
     record = {"ok": True, "logits": logits.float().tolist(), "params": params,
-              "grad_logits_equal": bool(torch.equal(with_grad.detach(), logits))}
+              "grad_logits_equal": bool(torch.equal(with_grad.detach(), logits)),
+              # Under expert parallelism transformers exchanges tokens all-to-all when autograd is on
+              # (and all-reduces partial outputs when it is off): equal up to the order of the sums.
+              "grad_logits_rel_diff": float((with_grad.detach() - logits).abs().max() / logits.abs().max())}
     if case.get("save"):
         try:
             model.save_pretrained(case["save"])

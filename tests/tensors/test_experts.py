@@ -140,6 +140,26 @@ def test_grouped_mm_runs_expert_by_expert_and_skips_empty_groups(scheme):
     assert wt.transpose(-2, -1) is t
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8", "mxfp4"])
+def test_grouped_mm_as_torch_compile_traces_it_gives_the_eager_answer(kind, monkeypatch):
+    # Under torch.compile the group ends are data: every expert runs on every row and keeps its
+    # group's rows (experts._grouped_mm_traced). Same rows, same zeros past the end, bias too.
+    t = SCHEMES[kind](weight()).place()
+    x = torch.randn(9, K, dtype=torch.bfloat16)
+    offs = torch.tensor([3, 3, 7, 8], dtype=torch.int32)
+    bias = torch.randn(E, N, dtype=torch.bfloat16)
+    wt = t.transpose(-2, -1)
+    eager = torch._grouped_mm(x, wt, offs=offs, bias=bias)
+    stored_k_by_n = Int4Tensor.from_float(weight().transpose(-2, -1).contiguous(), 32)  # gpt-oss's [E, K, N]
+    eager_kn = F.grouped_mm(x, stored_k_by_n, offs=offs)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = torch._grouped_mm(x, wt, offs=offs, bias=bias)
+    close(traced, eager)
+    assert torch.equal(traced[8], torch.zeros(N, dtype=torch.bfloat16))
+    close(F.grouped_mm(x, stored_k_by_n, offs=offs), eager_kn)
+    assert F.grouped_mm(x[:0], wt, offs=torch.zeros(E, dtype=torch.int32)).shape == (0, N)
+
+
 def test_bmm_on_gathered_experts(scheme):
     _, make = scheme
     t = make(weight()).place()
