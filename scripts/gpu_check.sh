@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check.sh             # on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run   # print what it would run (any machine), exit 0
 #   bash scripts/gpu_check.sh --tp2       # also: tensor-parallel loading on 2 GPUs over NCCL
-#                                         # (tests/integrations/test_tensor_parallel.py, ~1 minute)
+#                                         # (tests/integrations/test_tensor_parallel{,_moe}.py: dense
+#                                         # and MoE experts under TP and EP, ~2 minutes)
 #
 # The GPU machine may have no network: wheels under ./wheels (if there) are installed from
 # there, nothing is downloaded. An older torch there is fine: hf_aoq's CUDA rows check the torch
@@ -33,7 +34,7 @@ export HF_AOQ_NO_CPU_EXT=${HF_AOQ_NO_CPU_EXT-1}
 TEST_TIMEOUT=${TEST_TIMEOUT:-150}
 COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-60}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-90}
-TP_TIMEOUT=${TP_TIMEOUT:-180}
+TP_TIMEOUT=${TP_TIMEOUT:-300}
 
 run() {  # print a step; run it unless --dry-run
   echo "+ $*"
@@ -67,7 +68,7 @@ compile_rc=$?
 tp2_rc=0
 if [ "$TP2" = 1 ]; then
   run timeout "$TP_TIMEOUT" env HF_AOQ_TP_BACKEND=nccl "${PYTEST[@]}" tests/integrations/test_tensor_parallel.py \
-    -k two_processes --junitxml "$OUT/tests_tp2.xml"
+    tests/integrations/test_tensor_parallel_moe.py -k two_processes --junitxml "$OUT/tests_tp2.xml"
   tp2_rc=$?
 fi
 # 4. The benchmark (run even if a test failed: its figures say where).

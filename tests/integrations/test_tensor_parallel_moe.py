@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 import hf_aoq
 from hf_aoq.core.errors import AOQError
 from hf_aoq.integrations.transformers.tensor_parallel import check_plan, local_shard, probe_layout
-from test_tensor_parallel import RTOL, _Placeholder, _run_ranks
+from test_tensor_parallel import DEVICE, RTOL, _Placeholder, _run_ranks
 from test_transformers_moe import MODELS
 from tp_worker import aoq_config
 
@@ -52,12 +52,12 @@ def _checkpoint(name, path, **overrides):
 def _single_process(path, quant, implementation):
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": torch.bfloat16, "quantization_config": aoq_config(quant)}
+    kwargs = {"dtype": torch.bfloat16, "device_map": DEVICE, "quantization_config": aoq_config(quant)}
     if implementation:
         kwargs["experts_implementation"] = implementation
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     with torch.no_grad():
-        return model, model(torch.tensor(IDS)).logits.float()
+        return model, model(torch.tensor(IDS, device=model.device)).logits.float().cpu()
 
 
 def _expected_shapes(name, api):
