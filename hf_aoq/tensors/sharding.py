@@ -4,7 +4,9 @@ A shard of a quantized weight is a quantized weight of the shard: its codes and 
 cut at the same place. `field_cuts(t, dim)` says, for each tensor field, how a cut of logical
 dimension `dim` cuts it: along which field dimension and how many logical elements one field
 element covers (2 codes per byte, a group of g columns per scale), or not at all (a per-row
-scale under a cut of the columns, a per-tensor float). From it come
+scale under a cut of the columns, a per-tensor float). Fused experts [E, N, K] follow the same
+rules on their last two dimensions; a cut of dim 0 (expert parallelism: whole experts per rank)
+cuts every field, each expert's own per-tensor parameters included. From it come
 
     check_cut(t, dim, start, end, name)   refuse a cut that splits a group (or a code byte)
     cat_fields(parts, dim)                the inverse of slicing: shards back into one weight

@@ -11,6 +11,10 @@ quantized tensor to this rank's part, codes and scales together, refusing a cut 
 (hf_aoq.tensors.sharding). transformers wraps the shard in a DTensor like the placeholder, and
 the module runs its forward on the local shard (`_hf_quantized_needs_local_tp`).
 
+The same path loads fused MoE experts [E, N, K] under the MoE plans: TP's `packed_colwise`
+(a strided shard of dim 1) and `rowwise` (dim 2) on the experts, and EP's `grouped_gemm`
+(dim 0, on the expert-parallel mesh: whole experts per rank).
+
 Quantize-on-load quantizes the whole weight, then cuts it, so every rank's shard is exactly the
 single-process model's: the per-tensor parameters (Int4DQ's, a per-tensor float8 scale) are
 those of the whole weight.
