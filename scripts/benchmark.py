@@ -21,6 +21,11 @@ reported as bandwidth / bytes read per token.
     .venv/bin/python scripts/benchmark.py --configs bf16,int4 --layers 4  # quick
     .venv/bin/python scripts/benchmark.py --model PATH --out result.json
     .venv/bin/python scripts/benchmark.py --moe --configs bf16,int4,int8 --batches 1
+    .venv/bin/python scripts/benchmark.py --configs bf16,int8,int4,int4dq --llama-cpp PATH/llama-bench
+
+With --llama-cpp, llama.cpp runs on the same model in the same invocation (its own converter,
+llama-quantize for Q8_0/Q4_0/Q4_K_M, llama-bench at the same lengths and threads) and the report
+adds hf_aoq / llama.cpp ratios (scripts/bench_llama_cpp.py; skipped with a note when absent).
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import bench_llama_cpp  # beside this script (scripts/ is sys.path[0] when it runs)
 
 REPO = Path(__file__).resolve().parent.parent
 PROSE = REPO / "tests" / "data" / "lee_background.cor"
@@ -595,7 +602,23 @@ def markdown(report: dict) -> str:
         lines += ["", "| hf_aoq vs peer | decode tok/s ratio | prefill s ratio | model bytes ratio |", "| --- | --- | --- | --- |"]
         for key, v in peers.items():
             lines.append(f"| {key} | {fmt(v.get('decode_tps'))} | {fmt(v.get('prefill_s'))} | {fmt(v.get('model_bytes'))} |")
-    return "\n".join(lines)
+    return "\n".join(lines + bench_llama_cpp.markdown(report, fmt))
+
+
+def run_llama_cpp(a, model_dir: Path, results: dict, notes: list) -> dict:
+    """llama.cpp's rows on the same model, threads and lengths, and hf_aoq / llama.cpp ratios."""
+    threads = a.threads or machine_info(a)["torch_threads"]
+    try:
+        rows, more = bench_llama_cpp.run(a.llama_cpp, model_dir, a.cache_dir, src=a.llama_cpp_src,
+                                         prefill_tokens=a.prefill_tokens, decode_tokens=a.decode_tokens,
+                                         threads=threads, repeats=a.repeats, timeout=a.timeout, log=log)
+    except bench_llama_cpp.LlamaCppError as e:
+        notes.append(f"llama.cpp skipped: {e}")
+        return {}
+    notes.extend(more)
+    first = next(iter(rows.values()), {})
+    return {"results": rows, "vs": bench_llama_cpp.ratios(results, rows), "build": first.get("build"),
+            "threads": first.get("threads"), "cpu": first.get("cpu")}
 
 
 def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: list, complete: bool) -> dict:
@@ -718,6 +741,8 @@ def main_parent(a) -> int:
                 f"model {r['model_bytes'] / 1e6:.1f} MB, load {r['load_s']:.1f} s")
 
     report = build_report(a, model_desc, bandwidth, results, notes, complete=True)
+    if a.llama_cpp:
+        report["llama_cpp"] = run_llama_cpp(a, model_dir, results, notes)
     import torch
     import transformers
 
@@ -768,6 +793,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     p.add_argument("--render", default=None, metavar="JSON", help="only print the Markdown table of a saved (or partial) report")
+    p.add_argument("--llama-cpp", default=None, metavar="LLAMA_BENCH",
+                   help="also run llama.cpp on the same model: the path of llama-bench (llama-quantize beside it; "
+                        "see scripts/bench_llama_cpp.py); skipped with a note when it cannot run")
+    p.add_argument("--llama-cpp-src", default=None, metavar="DIR",
+                   help="llama.cpp's source tree, for convert_hf_to_gguf.py (default: the tree llama-bench was built in)")
     p.add_argument("--verbose", action="store_true", help="show the children's output")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     # internal: one step of one configuration, in a fresh process
