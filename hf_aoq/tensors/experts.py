@@ -139,6 +139,8 @@ class TransposedExperts(torch.Tensor):
             return args[0].experts
         if func is torch.Tensor.__getitem__ and _expert_ids(args[1]):  # w.mT[ids] is w[ids].mT (batched_mm)
             return TransposedExperts(args[0].experts[args[1]])
+        if func is torch.Tensor.__getitem__ and _one_expert(args[1]):  # w.mT[e]: that expert alone, in float
+            return args[0].experts[int(args[1])].dequantize().transpose(-2, -1)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -154,6 +156,11 @@ class TransposedExperts(torch.Tensor):
 
 def _expert_ids(index) -> bool:
     return isinstance(index, torch.Tensor) and index.ndim == 1 and index.dtype in (torch.int64, torch.int32)
+
+
+def _one_expert(index) -> bool:
+    return (type(index) is int or isinstance(index, torch.Tensor) and index.ndim == 0
+            and index.dtype in (torch.int64, torch.int32))
 
 
 _TRANSPOSES = (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)
