@@ -151,6 +151,8 @@ class TransposedExperts(torch.Tensor):
 
         if func in (aten.detach.default, aten.alias.default):
             return TransposedExperts(args[0].experts)
+        if func is aten._to_copy.default:  # .to(dtype / device), e.g. Module.to: the view of the moved tensor
+            return TransposedExperts(aten._to_copy.default(args[0].experts, **(kwargs or {})))
         return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
 
 
