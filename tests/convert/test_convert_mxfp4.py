@@ -260,11 +260,11 @@ def test_the_transposed_view_indexes_like_the_float_parameter():
     assert torch.equal(gathered.experts.dequantize().transpose(1, 2), want[[2, 0, 2]])
 
 
-def test_module_to_dtype_moves_the_tensor_under_the_view(converted, ids):
+def test_module_to_dtype_moves_the_tensor_under_the_view(mxfp4_dir, converted, ids):
     out, _ = converted
     model = AutoModelForCausalLM.from_pretrained(out).to(torch.bfloat16)
     w = model.model.layers[0].mlp.experts.down_proj
     assert isinstance(w, TransposedExperts) and w.dtype == w.experts.dtype == torch.bfloat16
     assert isinstance(w.experts, MXTensor)
-    again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
-    assert torch.equal(logits(model, ids), logits(again, ids))
+    ref = transformers_dequantized(mxfp4_dir).to(torch.bfloat16)  # the same casts of everything else
+    assert torch.equal(logits(model, ids), logits(ref, ids))  # measured equal in bf16 on this tiny model
