@@ -125,6 +125,10 @@ class TransposedExperts(torch.Tensor):
     def __tensor_flatten__(self):
         return ["experts"], None
 
+    def _stable_hash_for_caching(self) -> str:
+        """torch.compile's cache key: the view's, then the stored tensor's (AOQTensor's)."""
+        return f"TransposedExperts({self.experts._stable_hash_for_caching()})"
+
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         return TransposedExperts(inner["experts"])

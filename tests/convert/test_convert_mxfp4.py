@@ -268,3 +268,14 @@ def test_module_to_dtype_moves_the_tensor_under_the_view(mxfp4_dir, converted, i
     assert isinstance(w.experts, MXTensor)
     ref = transformers_dequantized(mxfp4_dir).to(torch.bfloat16)  # the same casts of everything else
     assert torch.equal(logits(model, ids), logits(ref, ids))  # measured equal in bf16 on this tiny model
+
+
+def test_torch_compile_runs_the_converted_model(converted, ids):
+    out, _ = converted
+    torch._dynamo.reset()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    want = logits(model, ids[:1, :8])
+    with torch.no_grad():
+        got = torch.compile(model)(ids[:1, :8]).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
