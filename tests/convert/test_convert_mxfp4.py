@@ -190,10 +190,16 @@ def test_save_reload_and_dequantize(mxfp4_dir, converted, ids, tmp_path):
 def test_the_cli_converts_it(mxfp4_dir, tmp_path, capsys):
     assert cli.main(["convert", str(mxfp4_dir), str(tmp_path / "o")]) == 0
     assert "MXTensor mxfp4" in capsys.readouterr().out
+    bad = _broken(tmp_path / "bad", lambda t: t.pop("model.layers.0.mlp.experts.down_proj_scales"))
+    assert cli.main(["convert", str(bad), str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales" in err and "Traceback" not in err
+    assert not (tmp_path / "o2").exists()
 
 
 # ---------------------------------------------------------------------- bad input
 def _broken(tmp_path, edit):
+    tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "src"
     tensors = write_mxfp4_checkpoint(path)
     edit(tensors)
@@ -279,3 +285,30 @@ def test_torch_compile_runs_the_converted_model(converted, ids):
         got = torch.compile(model)(ids[:1, :8]).logits
     torch._dynamo.reset()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sharded_source_with_blocks_and_scales_in_different_shards_converts(mxfp4_dir, converted, tmp_path):
+    """As gpt-oss ships: shards and an index (a pair may straddle two shards)."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(mxfp4_dir, src)
+    data = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    keys = sorted(data)
+    weight_map = {}
+    for i, names in enumerate((keys[::2], keys[1::2]), 1):
+        shard = f"model-0000{i}-of-00002.safetensors"
+        save_file({k: data[k] for k in names}, src / shard, metadata={"format": "pt"})
+        weight_map.update({k: shard for k in names})
+    assert weight_map[G + "_blocks"] != weight_map[G + "_scales"]
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    summary = convert_checkpoint(src, tmp_path / "out", max_shard_size=100_000)
+    assert sum(summary.groups.values()) == 4 and not any(f.startswith("model-") for f in summary.copied)
+    one, two = open_checkpoint(converted[0]).state_dict(), open_checkpoint(tmp_path / "out").state_dict()
+    assert one.keys() == two.keys()
+    for k in one:
+        a, b = one[k], two[k]
+        assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) if isinstance(a, MXTensor) \
+            else torch.equal(a, b)
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()  # sharded at 100 kB
