@@ -351,7 +351,7 @@ def export_command(args) -> int:
 
 
 def convert_command(args) -> int:
-    """`hf-aoq convert SRC OUT`: hf_aoq.workflows.convert_checkpoint (torchao, compressed-tensors, GGUF), reported."""
+    """`hf-aoq convert SRC OUT`: hf_aoq.workflows.convert_checkpoint (torchao, compressed-tensors, mxfp4, GGUF)."""
     from .workflows import convert_checkpoint, parse_size
 
     kwargs = {} if args.max_shard_size is None else {"max_shard_size": parse_size(args.max_shard_size)}
@@ -487,16 +487,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")
 
-    p = command("convert", "convert a torchao, compressed-tensors or GGUF checkpoint to hf_aoq (detected)",
+    p = command("convert", "convert a torchao, compressed-tensors, transformers Mxfp4 or GGUF checkpoint to hf_aoq (detected)",
                 "Convert a checkpoint folder written by torchao's safetensors support (docs/torchao.md) or in the "
-                "compressed-tensors format (docs/compressed_tensors.md; what `hf-aoq export` writes), or a GGUF file "
+                "compressed-tensors format (docs/compressed_tensors.md; what `hf-aoq export` writes), transformers' Mxfp4 "
+                "format (gpt-oss; its experts become MXTensor exactly, docs/transformers.md), or a GGUF file "
                 "(docs/gguf.md: Q4_0, Q4_1, Q8_0 exactly; Q4_K, Q6_K into the nearest hf_aoq types), into an hf_aoq "
                 "checkpoint; none of those libraries need be installed. What cannot be held is refused, naming the "
                 "tensor, and nothing is written.",
                 "examples:\n  hf-aoq convert ./llama-w4a16 ./llama-aoq\n  hf-aoq convert ./llama-torchao-int4 ./llama-aoq"
-                "\n  hf-aoq convert ./llama.Q4_1.gguf ./llama-aoq",
+                "\n  hf-aoq convert ./llama.Q4_1.gguf ./llama-aoq\n  hf-aoq convert ./gpt-oss-20b ./gpt-oss-20b-aoq",
                 convert_command)
-    p.add_argument("src", help="the checkpoint folder (torchao or compressed-tensors) or a .gguf file")
+    p.add_argument("src", help="the checkpoint folder (torchao, compressed-tensors or mxfp4) or a .gguf file")
     p.add_argument("out", help="the hf_aoq checkpoint folder to write (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--max-shard-size", metavar="SIZE", help=f"largest weights file: {SIZE_HELP} (default 5GiB)")

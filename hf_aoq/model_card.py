@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ._version import __version__
+from .card_formats import format_notes
 from .checkpoint import CheckpointInfo, TensorInfo, format_bytes, read_checkpoint
 from .serialization.files import write_atomic
 
@@ -223,6 +224,7 @@ def _values(info, source, hub_base, load_name, quality) -> dict[str, str]:
         "format_version": ", ".join(str(v) for v in info.format_versions) or "none (no hf_aoq metadata)",
         "recipe_rows": rows or "| (none) | 0 | |",
         "float_note": float_note,
+        "format_notes": format_notes(t.scheme for t in quantized),
         "recipe_json": "(no quantization_config in config.json)" if recipe is None else json.dumps(recipe, indent=2),
         "quality": quality_text,
         "load_name": load_name or str(info.path),

@@ -14,6 +14,8 @@ new capability of a type, adds a generation to `GENERATIONS` below.
                                   token) and Float8Tensor with a static act_scale, schema version 1
     manifest.intx_asym_act.json   IntxTensor with act_quant "per_token_asymmetric" (torchao's int8
                                   asymmetric per-token activations), schema version 1
+    manifest.mx3d.json            MXTensor fused experts [E, N, K] (3-D), among them the MXFP4
+                                  experts `hf-aoq convert` makes of transformers' Mxfp4 checkpoints
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -22,7 +24,8 @@ For each fixture file F.safetensors it writes
 and the generation's manifest, which lists every file's SHA-256 and every tensor's type and
 attributes.
 
-N.linear is `simulate_input_quantization(x) @ dequantize().T` computed in float64. The inputs
+N.linear is `simulate_input_quantization(x) @ dequantize().T` computed in float64 (for 3-D
+experts, that of each expert on the same x, stacked: [E, rows, N]). The inputs
 are chosen so that this sum is exact (checked below), so any machine, BLAS or summation order
 gives the same bits and the tests can compare exactly.
 
@@ -162,6 +165,33 @@ def state_dicts_mx() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def experts_weight(seed: int, e: int, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.stack([weight(seed * 100 + i, n, k, F32) for i in range(e)]).to(dtype)
+
+
+def state_dicts_mx3d() -> dict[str, dict[str, torch.Tensor]]:
+    from hf_aoq.convert.mxfp4 import mx_from_blocks
+
+    fp4 = torch.float4_e2m1fn_x2
+    g = torch.Generator().manual_seed(61)
+    blocks = torch.randint(0, 256, (2, 16, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 126, (2, 16, 2), generator=g, dtype=torch.uint8)
+    return {
+        "v1_mx3d": {
+            # Fused experts [E, N, K]: weight-only MXFP4, the mxfp8 scheme with a partial last
+            # block (80 = 2 x 32 + 16), and MXFP4 weights with e4m3 activations (the mxfp4 scheme).
+            "e2m1_experts_bf16": MXTensor.from_float(experts_weight(62, 4, 8, 64, BF16), fp4),
+            "mxfp8_dyn_experts_k80_f32": MXTensor.from_float(experts_weight(63, 3, 8, 80, F32), E4M3,
+                                                             act_dtype=E4M3),
+            "mxfp4_dyn_experts_bf16": MXTensor.from_float(experts_weight(64, 2, 8, 96, BF16), fp4, act_dtype=E4M3),
+            # What `hf-aoq convert` writes for a gpt-oss Mxfp4 experts weight (the stored bytes as
+            # they are, [E, out, in]), and a plain bias next to it.
+            "gpt_oss_mxfp4_experts_bf16": mx_from_blocks(blocks, scales, BF16, "gpt_oss_mxfp4_experts_bf16"),
+            "gpt_oss_bias": (torch.arange(32, dtype=F32) / 8).to(BF16).reshape(2, 16),
+        },
+    }
+
+
 def state_dicts_intx() -> dict[str, dict[str, torch.Tensor]]:
     return {
         "v1_intx": {
@@ -229,18 +259,25 @@ GENERATIONS = {
     "manifest.intx.json": state_dicts_intx,
     "manifest.act_variants.json": state_dicts_act_variants,
     "manifest.intx_asym_act.json": state_dicts_intx_asym_act,
+    "manifest.mx3d.json": state_dicts_mx3d,
 }
 
 
 def reference_linear_f64(w, x: torch.Tensor) -> torch.Tensor:
     """The reference kernel's answer in float64: inputs quantized as the kernels do, then an
-    exact matmul (see `check_exact`)."""
+    exact matmul (see `check_exact`); for 3-D experts, each expert's, stacked."""
+    if len(w.shape) == 3:
+        return torch.stack([reference_linear_f64(w[e], x) for e in range(w.shape[0])])
     return w.simulate_input_quantization(x).double() @ w.dequantize().double().t()
 
 
 def check_exact(w, x: torch.Tensor, name: str) -> None:
     """Refuse inputs whose float64 matmul could depend on the summation order: every product
     must be exact and every partial sum a multiple of 2^-L below 2^(53-L)."""
+    if len(w.shape) == 3:
+        for e in range(w.shape[0]):
+            check_exact(w[e], x, f"{name} (expert {e})")
+        return
     a = w.simulate_input_quantization(x).double().tolist()
     b = w.dequantize().double().tolist()
     for row in a:
@@ -305,7 +342,7 @@ def write_generation(out: str, manifest_name: str, state_dicts: dict[str, dict[s
         expected, quantized, plain = {}, {}, []
         for i, (name, t) in enumerate(sd.items()):
             if isinstance(t, hf_aoq.AOQTensor):
-                x = fixture_input(1000 * seed + i, t.shape[1], t.dtype)
+                x = fixture_input(1000 * seed + i, t.shape[-1], t.dtype)
                 check_exact(t, x, f"{stem}/{name}")
                 expected[f"{name}.input"] = x
                 expected[f"{name}.dequantized"] = t.dequantize()

@@ -7,6 +7,7 @@
     gguf.py             hf_aoq tensors <-> GGUF blocks (Q4_0, Q4_1, Q8_0; Q4_K, Q6_K read)
     gguf_meta.py        GGUF tensor names, llama and tokenizer metadata
     gguf_checkpoint.py  export to / convert from one GGUF file (hf-aoq export --format gguf, convert)
+    mxfp4.py            transformers' Mxfp4 checkpoints (gpt-oss *_blocks / *_scales) -> MXTensor experts
 """
 from .torchao import ConversionSummary, TensorConversion, convert_torchao_checkpoint
 

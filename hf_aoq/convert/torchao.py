@@ -15,6 +15,7 @@ docs/torchao.md describes the format and the mapping:
                              any, with int8   IntxTensor      act_quant per_token_asymmetric
                              asym per-token
                              activations
+    MXTensor (mx_formats) MXFP8, MXFP4        MXTensor        the same codes and e8m0 scales (torchao_mx.py)
 
 Anything else (another torchao type, another bit width or block shape, asymmetric int8 in
 Int8Tensor, activation pre-scales, static activation scales) is refused with an error that names the tensor
@@ -55,6 +56,7 @@ from ..serialization.common import read_json_file
 from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor, IntxTensor
 from ..tensors import intx
 from ..tensors.int4 import GROUP_SIZES
+from .torchao_mx import MX_SPEC, mx_tensor
 from .torchao_format import (
     FLOAT8_DTYPES,
     FLOAT_DTYPES,
@@ -415,6 +417,7 @@ _CONVERTERS: dict[str, tuple[Spec, Callable]] = {
               frozenset({"target_dtype", "block_size", "dtype"}), frozenset({"activation_quantization"})),
         _intx_tensor,
     ),
+    "MXTensor": (MX_SPEC, mx_tensor),
 }
 # torchao types its safetensors support writes that have no hf_aoq equivalent.
 _UNSUPPORTED = {
@@ -422,7 +425,6 @@ _UNSUPPORTED = {
                                 "Int4WeightOnlyConfig(int4_packing_format='plain'))",
     "Int4PlainInt32Tensor": "int4 packed in int32 for XPU/NPU kernels",
     "Int4PreshuffledTensor": "int4 preshuffled for mslk's kernels",
-    "MXTensor": "MX block-scaled formats (mxfp8/mxfp4)",
     "NVFP4Tensor": "NVFP4",
 }
 

@@ -33,9 +33,10 @@ class TorchaoConversionError(FormatError):
 FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FLOAT8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 INT_DTYPES = {f"int{b}": b for b in range(1, 9)}  # torch.int1 .. torch.int8 -> bit width
+MX_ELEMENT_DTYPES = {"float4_e2m1fn_x2": torch.float4_e2m1fn_x2}  # MXTensor's elem_dtype, besides float8
 _OBJECT_TYPES = frozenset(
     {"PerRow", "PerTensor", "PerGroup", "PerAxis", "Float8MMConfig", "QuantizeTensorToFloat8Kwargs",
-     "QuantizeTensorToInt8Kwargs"}
+     "QuantizeTensorToInt8Kwargs", "QuantizeTensorToMXKwargs", "NoSwizzle", "Swizzle_32_4_4"}
 )
 _ENUM_TYPES = {
     "MappingType": frozenset({"SYMMETRIC", "ASYMMETRIC", "SYMMETRIC_NO_CLIPPING_ERR"}),
@@ -43,6 +44,9 @@ _ENUM_TYPES = {
     # IntxUnpackedToInt8Tensor.activation_quantization (a str enum: usually written as its plain
     # value "int8_asym_per_token"; this is the object form, should a writer use it).
     "IntxUnpackedToInt8TensorActivationQuantization": frozenset({"INT8_ASYM_PER_TOKEN"}),
+    # MXTensor (mx_formats): how activation scales are chosen, and the older name of KernelPreference.
+    "ScaleCalculationMode": frozenset({"FLOOR", "RCEIL", "CEIL", "EVEN"}),
+    "MXGemmKernelChoice": frozenset({"EMULATED", "CUTLASS", "CUBLAS"}),
 }
 
 
@@ -80,7 +84,8 @@ def _decode(value: Any) -> Any:
         raise _ValueError(f"expected an object with exactly '_type' and '_data', got keys {sorted(value)}")
     kind, data = value["_type"], value["_data"]
     if kind == "torch.dtype":
-        if type(data) is str and (data in FLOAT_DTYPES or data in FLOAT8_DTYPES or data in INT_DTYPES):
+        if type(data) is str and (data in FLOAT_DTYPES or data in FLOAT8_DTYPES or data in INT_DTYPES
+                                  or data in MX_ELEMENT_DTYPES):
             return Dtype(data)
         raise _ValueError(f"dtype {short(data)} is not one this converter knows")
     if kind in _ENUM_TYPES:

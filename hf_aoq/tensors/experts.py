@@ -11,7 +11,9 @@ modeling_gpt_oss.py):
   - `w[e]` (aten.select) is expert e, `w[ids]` (aten.index) the experts `ids` gathered into a
     3-D tensor; `F.linear(x, w[e])` then runs the fast 2-D kernels (the "eager" forward);
   - `w.transpose(-2, -1)` is a `TransposedExperts` view, which `torch._grouped_mm` /
-    `F.grouped_mm` (the "grouped_mm" forward) and `torch.bmm` take;
+    `F.grouped_mm` (the "grouped_mm" forward) and `torch.bmm` take, and `w.mT[ids]` gathers
+    into another (gpt-oss's "batched_mm" forward, when its parameter is such a view: a
+    checkpoint's `stored_transposed` experts, hf_aoq.integrations.transformers.transposed);
   - `torch.bmm(w[ids], x)` (the "batched_mm" forward) and `torch._grouped_mm(x, w, offs)` with w
     stored [E, K, N] (gpt-oss) run expert by expert.
 Expert by expert means one `kernels.linear` per expert that got tokens (an expert with none is
@@ -106,8 +108,9 @@ def _index(func, types, args, kwargs):
 # ---------------------------------------------------------------------- the transposed view
 class TransposedExperts(torch.Tensor):
     """`w.transpose(-2, -1)` of a 3-D quantized experts tensor `w` [E, N, K]: shape [E, K, N],
-    which grouped_mm and bmm take as their right operand. Made per forward, never saved; any op
-    but those (and transposing back) runs on the dequantized transpose."""
+    which grouped_mm and bmm take as their right operand. Made per forward, or held as the
+    parameter of a module whose stored tensor is its transpose (saving stores `experts`); any op
+    but those (transposing back, and gathering experts) runs on the dequantized transpose."""
 
     experts: AOQTensor
 
@@ -124,6 +127,10 @@ class TransposedExperts(torch.Tensor):
     def __tensor_flatten__(self):
         return ["experts"], None
 
+    def _stable_hash_for_caching(self) -> str:
+        """torch.compile's cache key: the view's, then the stored tensor's (AOQTensor's)."""
+        return f"TransposedExperts({self.experts._stable_hash_for_caching()})"
+
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         return TransposedExperts(inner["experts"])
@@ -136,6 +143,10 @@ class TransposedExperts(torch.Tensor):
             return impl(func, types, args, kwargs)
         if func in _TRANSPOSES and _swaps_last_two(args, kwargs, 3):
             return args[0].experts
+        if func is torch.Tensor.__getitem__ and _expert_ids(args[1]):  # w.mT[ids] is w[ids].mT (batched_mm)
+            return TransposedExperts(args[0].experts[args[1]])
+        if func is torch.Tensor.__getitem__ and _one_expert(args[1]):  # w.mT[e]: that expert alone, in float
+            return args[0].experts[int(args[1])].dequantize().transpose(-2, -1)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -146,7 +157,18 @@ class TransposedExperts(torch.Tensor):
 
         if func in (aten.detach.default, aten.alias.default):
             return TransposedExperts(args[0].experts)
+        if func is aten._to_copy.default:  # .to(dtype / device), e.g. Module.to: the view of the moved tensor
+            return TransposedExperts(aten._to_copy.default(args[0].experts, **(kwargs or {})))
         return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
+
+
+def _expert_ids(index) -> bool:
+    return isinstance(index, torch.Tensor) and index.ndim == 1 and index.dtype in (torch.int64, torch.int32)
+
+
+def _one_expert(index) -> bool:
+    return (type(index) is int or isinstance(index, torch.Tensor) and index.ndim == 0
+            and index.dtype in (torch.int64, torch.int32))
 
 
 _TRANSPOSES = (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)

@@ -237,7 +237,8 @@ def export_checkpoint(src, out, *, format: str = "compressed-tensors", requantiz
 # ---------------------------------------------------------------------- convert (to hf_aoq)
 def convert_checkpoint(src, out, *, overwrite: bool = False, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
     """Convert the checkpoint folder `src` to hf_aoq at `out`, by the quant_method in its
-    config.json: "torchao" (hf_aoq.convert.convert_torchao_checkpoint) or "compressed-tensors";
+    config.json: "torchao" (hf_aoq.convert.convert_torchao_checkpoint), "compressed-tensors" or
+    "mxfp4" (transformers' Mxfp4, gpt-oss: hf_aoq.convert.mxfp4);
     or the GGUF file `src` (hf_aoq.convert.gguf_checkpoint, docs/gguf.md). Returns a summary
     with `format_text()` (or `format()` for torchao's)."""
     src = Path(src)
@@ -255,9 +256,13 @@ def convert_checkpoint(src, out, *, overwrite: bool = False, max_shard_size: int
             raise ExportError(f"{e} (nothing was written)") from e
     if method == ct.QUANT_METHOD:
         return convert_compressed_tensors(src, out, overwrite=overwrite, max_shard_size=max_shard_size)
+    if method == "mxfp4":  # transformers' Mxfp4 (gpt-oss): hf_aoq.convert.mxfp4
+        from ..convert.mxfp4 import convert_mxfp4_checkpoint
+
+        return convert_mxfp4_checkpoint(src, out, overwrite=overwrite, max_shard_size=max_shard_size)
     hint = "; it is already an hf_aoq checkpoint" if method == "aoq" else ""
-    raise ExportError(f"{src}: quantization_config.quant_method is {method!r}; convert takes torchao or "
-                      f"compressed-tensors checkpoints, or a .gguf file{hint}")
+    raise ExportError(f"{src}: quantization_config.quant_method is {method!r}; convert takes torchao, "
+                      f"compressed-tensors or transformers' mxfp4 checkpoints, or a .gguf file{hint}")
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

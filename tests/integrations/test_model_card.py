@@ -244,3 +244,35 @@ def test_the_card_and_the_writers_name_the_version_without_the_package_root():
             "print('hf_aoq.integrations.transformers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_an_mx_card_says_what_mxfp4_and_mxfp8_are_and_where_they_run(tiny_llama_dir, tmp_path):
+    """Beyond the scheme names: the element formats, the block of 32 with its e8m0 scale, the
+    bits per weight, the dynamic activations, and the kernel table's MX rows."""
+    from hf_aoq import kernels
+
+    fp4 = torch.float4_e2m1fn_x2
+    recipe = hf_aoq.FqnToConfig({
+        "_default": hf_aoq.MXFPInferenceConfig(activation_dtype=None, weight_dtype=fp4),
+        "re:.*self_attn\\.[qkv]_proj": hf_aoq.MXFPInferenceConfig(),  # mxfp8: e4m3 weights and activations
+    })
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16,
+                                                 quantization_config=hf_aoq.AOQConfig(recipe))
+    model.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    part = model_card.section(card)
+    assert "**MX weights** (OCP Microscaling v1.0): every block of 32 consecutive weights" in part
+    assert "- `mx e2m1`: MXFP4: 4-bit floats e2m1" in part and "4.25 bits per weight" in part
+    assert "- `mx e4m3`: MXFP8: 8-bit floats e4m3 (up to ±448); 8.25 bits per weight." in part
+    assert "`dyn-act mx e4m3`: that layer's activations are quantized the same way" in part
+    own = [k.name for k in kernels.kernels_for("linear", "MXTensor") if k.backend != "reference"]
+    assert own and all(f"`{name}`" in part for name in own)
+    assert part.index("**MX weights**") > part.index("stored unquantized") and part.index("**MX weights**") < \
+        part.index("<details>")
+
+
+def test_a_card_without_mx_weights_has_no_mx_text(quantized, tmp_path):
+    quantized.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "MX weights" not in card and "Microscaling" not in card
+    assert "tensors (embeddings, norms, and any layer the recipe skips) are stored unquantized" in card

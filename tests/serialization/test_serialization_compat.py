@@ -31,7 +31,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def reference_linear_f64(w, x):
-    """As scripts/make_fixtures.py computed it: exact in float64 for the stored inputs."""
+    """As scripts/make_fixtures.py computed it: exact in float64 for the stored inputs (3-D
+    experts: each expert's on the same x, stacked)."""
+    if len(w.shape) == 3:
+        return torch.stack([reference_linear_f64(w[e], x) for e in range(w.shape[0])])
     return w.simulate_input_quantization(x).double() @ w.dequantize().double().t()
 
 
@@ -55,7 +58,7 @@ def test_fixtures_are_never_regenerated():
     schemas get new fixtures next to these; see docs/format.md."""
     assert sorted(MANIFESTS) == ["manifest.act_variants.json", "manifest.int4dq.json", "manifest.intx.json",
                                  "manifest.intx_asym_act.json", "manifest.json", "manifest.mx.json",
-                                 "manifest.partial_groups.json"]
+                                 "manifest.mx3d.json", "manifest.partial_groups.json"]
     for file, info in MANIFEST["files"].items():
         for name, digest in ((file, info["sha256"]), (info["expected"], info["expected_sha256"])):
             assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == digest, name
@@ -100,7 +103,10 @@ def assert_kernel_close(w, x, reference):
     """A placed weight's own kernel agrees with the exact reference within its precision."""
     # clone(): a tensor mapped from a file may start at any even address, and aten's int8 CPU
     # kernel (torch 2.13) crashes on an activation that is not 4-byte aligned.
-    y = F.linear(x.clone(), w).double().cpu()
+    if len(w.shape) == 3:  # fused experts: each expert as a linear weight
+        y = torch.stack([F.linear(x.clone(), w[e]) for e in range(w.shape[0])]).double().cpu()
+    else:
+        y = F.linear(x.clone(), w).double().cpu()
     scale = reference.abs().max().item()
     torch.testing.assert_close(y, reference, rtol=2**-6, atol=scale * 2**-6)
 

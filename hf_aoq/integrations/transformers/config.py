@@ -29,6 +29,7 @@ _CONFIG_KEYS = (
     "target_bits_per_weight",
     "candidates",
     "calibration_method",
+    "stored_transposed",
 )
 # The schemes mixed precision chooses among when AOQConfig(target_bits_per_weight=...) names none.
 DEFAULT_CANDIDATES = ("int4:g64", "int4", "int8")
@@ -64,6 +65,11 @@ class AOQConfig(QuantizationConfigMixin):
     calibration_method       what `calibration` chooses: "gptq" (default: int4 weights),
                              "awq" (activation-aware scales for int4 and Int4DQ, hf_aoq.awq) or
                              "smoothquant" (for int8-dynamic, hf_aoq.smoothquant)
+    stored_transposed        names of 3-D parameters stored as the transpose of the model's (a
+                             quantized [E, out, in] for gpt-oss's [E, in, out] experts: what
+                             `hf-aoq convert` makes of transformers' Mxfp4 checkpoints, whose MX
+                             blocks run along "in"); they load as the transposed view
+                             (hf_aoq.tensors.experts.TransposedExperts)
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class AOQConfig(QuantizationConfigMixin):
         target_bits_per_weight: float | None = None,
         candidates: list[str] | None = None,
         calibration_method: str = "gptq",
+        stored_transposed: list[str] | None = None,
     ):
         include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
         for name, value in (
@@ -122,6 +129,10 @@ class AOQConfig(QuantizationConfigMixin):
         if calibration_method not in CALIBRATION_METHODS:
             raise AOQError(f"AOQConfig.calibration_method must be one of {CALIBRATION_METHODS}, got {calibration_method!r}")
         self.calibration_method = calibration_method
+        if stored_transposed is not None and (isinstance(stored_transposed, str)
+                                              or not all(isinstance(n, str) and n for n in stored_transposed)):
+            raise AOQError(f"AOQConfig.stored_transposed must be a list of parameter names, got {stored_transposed!r}")
+        self.stored_transposed = None if not stored_transposed else sorted(set(stored_transposed))
         self.calibration = None if calibration is None else os.fspath(calibration)
         self.calibration_tokens = calibration_tokens
         self.target_bits_per_weight = None if target_bits_per_weight is None else float(target_bits_per_weight)
@@ -150,6 +161,7 @@ class AOQConfig(QuantizationConfigMixin):
             **({"target_bits_per_weight": self.target_bits_per_weight, "candidates": list(self.candidates)}
                if self.target_bits_per_weight is not None else {}),
             **({"calibration_method": self.calibration_method} if self.calibration_method != "gptq" else {}),
+            **({"stored_transposed": list(self.stored_transposed)} if self.stored_transposed else {}),
         }
 
     @classmethod
@@ -211,6 +223,10 @@ class AOQConfig(QuantizationConfigMixin):
             raise FormatError(f"{where}.calibration_method: expected one of {CALIBRATION_METHODS}, "
                               f"got {calibration_method!r}")
         args["calibration_method"] = calibration_method
+        transposed = config_dict.get("stored_transposed")
+        if transposed is not None and not (isinstance(transposed, list) and all(isinstance(n, str) for n in transposed)):
+            raise FormatError(f"{where}.stored_transposed: expected a list of parameter names or null, got {transposed!r}")
+        args["stored_transposed"] = transposed
         unused = {}
         for key, value in kwargs.items():
             if key in args:

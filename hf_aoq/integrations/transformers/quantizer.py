@@ -25,6 +25,7 @@ from .config import AOQConfig
 from .ops import AOQLoad, AOQQuantize, _parent, _storage_key
 from .renames import guard_conversions, load_renaming, stored_names
 from .sizes import _quantized_nbytes
+from . import transposed as stored_transposed
 from .tensor_parallel import TensorParallelLoad, probe_layout, refuse_sharded_calibration, refuse_sharded_save
 
 logger = logging.getLogger(__name__)
@@ -103,9 +104,12 @@ class AOQHfQuantizer(HfQuantizer):
         """A quantized tensor whose shape is not the model's (config.json edited, or another
         model's checkpoint) is refused before anything is read, as transformers refuses a float
         one; its size-mismatch check skips parameters that a quantizer builds."""
+        transposed = set(self.quantization_config.stored_transposed or ())
+        stored_transposed.check_listed(transposed, set(self._entries), self._source)
         for name, entry in self._entries.items():
             stored = entry.attributes.get("shape")
-            expected = tuple(model.get_parameter(name).shape)
+            expected = stored_transposed.expected_stored_shape(name, model.get_parameter(name).shape, transposed,
+                                                               self._source)
             if stored is not None and tuple(stored) != expected:
                 raise FormatError(
                     f"{self._source}: {name} is stored with shape {tuple(stored)}, but the model built from its "
@@ -288,10 +292,13 @@ class AOQHfQuantizer(HfQuantizer):
         if self._tp is not None:
             tensor = self._tp.shard(name, tensor)
         dtype = model.get_parameter(name).dtype
+        transposed = name in (self.quantization_config.stored_transposed or ())
         if self.quantization_config.dequantize:
-            return tensor.dequantize(dtype)
+            return stored_transposed.dequantized(tensor, dtype) if transposed else tensor.dequantize(dtype)
         if dtype.is_floating_point and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
+        if transposed:
+            return stored_transposed.as_parameter(tensor, name, sharded=self._tp is not None and name in self._tp.targets)
         if name in self._linear_only:
             tensor = tensor.place()
         return nn.Parameter(tensor, requires_grad=False)
@@ -391,7 +398,7 @@ class AOQHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """Plain tensors plus hf_aoq metadata: quantized weights in their canonical layout."""
-        state = model.state_dict(keep_vars=True)
+        state = {k: stored_transposed.unwrap(v) for k, v in model.state_dict(keep_vars=True).items()}
         refuse_sharded_save(state)
         tied_targets = set(getattr(model, "all_tied_weights_keys", {}) or {})
         owner: dict[int, str] = {}
@@ -430,10 +437,13 @@ class AOQHfQuantizer(HfQuantizer):
         done: dict[int, nn.Parameter] = {}
         for module in model.modules():
             for leaf, param in list(module._parameters.items()):
-                if not isinstance(param, AOQTensor):
+                inner = stored_transposed.unwrap(param)
+                if not isinstance(inner, AOQTensor):
                     continue
                 if id(param) not in done:
-                    done[id(param)] = nn.Parameter(param.dequantize(dtype or param.dtype))
+                    done[id(param)] = nn.Parameter(
+                        stored_transposed.dequantized(inner, dtype or inner.dtype) if inner is not param
+                        else param.dequantize(dtype or param.dtype))
                 module._parameters[leaf] = done[id(param)]
         return model
 
