@@ -8,7 +8,10 @@ not a multiple of 8, ROCm, torch < 2.5); whether it should replace tinygemm at d
 GPU figures (scripts/gpu_bench.py). int8 and float8 weight-only: the codes read in place instead
 of the reference's dequantization to a float weight on every call. Int4DQ (no CUDA packing, so
 always canonical there): each weight decoded in the kernel exactly as Int4DQTensor.dequantize
-does, instead of the reference's dequantization on every call."""
+does, instead of the reference's dequantization on every call.
+
+e4m3 per-row activations (fp8-dyn, fp8-int4): one Triton kernel quantizes them, bit for bit as
+torch does (quantize_input_fused, simulate_input_quantization_fused)."""
 from __future__ import annotations
 
 import importlib.util
@@ -55,7 +58,7 @@ def _int4_gemv_applies(x, w) -> bool:
                  needs=(TRITON,), when=_int4_gemv_applies)
 def int4_triton_linear(x, w, bias):
     n, k = w.shape
-    x = w.simulate_input_quantization(x)  # activation-quantized Int4Tensors: as the reference
+    x = simulate_input_quantization_fused(w, x)  # activation-quantized Int4Tensors: as the reference
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -158,3 +161,44 @@ def quantize_int8_per_token_fused(x2: torch.Tensor) -> tuple[torch.Tensor, torch
     if x2.device.type == "cuda" and capable((TRITON,), x2.device):
         return quantize_rows_int8_op(x2 if x2.stride(-1) == 1 else x2.contiguous())
     return quantize_int8_per_token(x2)
+
+
+# ---------------------------------------------------------------------- float8 (e4m3) activations
+@opaque_op("quantize_rows_fp8_triton", lambda x2: (x2.new_empty(x2.shape, dtype=torch.float8_e4m3fn),
+                                                   x2.new_empty((x2.shape[0], 1), dtype=torch.float32)))
+def quantize_rows_fp8_op(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton_jit import quantize_rows_fp8
+
+    return quantize_rows_fp8(x2)
+
+
+@opaque_op("fake_quantize_rows_fp8_triton", lambda x2: x2.new_empty(x2.shape))
+def fake_quantize_rows_fp8_op(x2: torch.Tensor) -> torch.Tensor:
+    from .triton_jit import fake_quantize_rows_fp8
+
+    return fake_quantize_rows_fp8(x2)
+
+
+def _e4m3_rows_fused(w, x: torch.Tensor) -> bool:
+    """Activations quantized to e4m3 with one scale per row (Float8Tensor "per_row", Int4Tensor
+    "per_token" with a float8_e4m3fn act_dtype: fp8-dyn and fp8-int4), on a GPU where triton runs."""
+    if w.act_quant not in ("per_row", "per_token") or (w.act_dtype or w.qdata.dtype) != torch.float8_e4m3fn:
+        return False
+    return x.device.type == "cuda" and x.numel() > 0 and x.dtype in FLOATS and capable((TRITON,), x.device)
+
+
+def quantize_input_fused(w, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w.quantize_input(x2) (2-D), in one Triton kernel for e4m3 per-row activations where triton
+    runs (bit for bit the same codes and scales; torch takes about ten kernels)."""
+    if _e4m3_rows_fused(w, x2):
+        return quantize_rows_fp8_op(x2 if x2.stride(-1) == 1 else x2.contiguous())
+    return w.quantize_input(x2)
+
+
+def simulate_input_quantization_fused(w, x: torch.Tensor) -> torch.Tensor:
+    """w.simulate_input_quantization(x), in one Triton kernel for e4m3 per-row activations where
+    triton runs (bit for bit the same values)."""
+    if _e4m3_rows_fused(w, x):
+        x2 = x.reshape(-1, x.shape[-1])
+        return fake_quantize_rows_fp8_op(x2 if x2.stride(-1) == 1 else x2.contiguous()).reshape(x.shape)
+    return w.simulate_input_quantization(x)
