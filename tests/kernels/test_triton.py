@@ -228,8 +228,8 @@ def test_the_kernels_compile_for_an_h200():
 
 def test_the_rows_are_chosen_on_cuda_at_few_rows(monkeypatch):
     """On a GPU with triton: the Triton GEMV for a canonical Int4Tensor (here N = 20, which
-    tinygemm cannot take), for Int4DQ and for int8 / float8 weight-only weights at few rows, the
-    reference at many."""
+    tinygemm cannot take), for Int4DQ and for int8 / float8 weight-only weights at few rows; at
+    many, the Triton GEMM or dequantization (int4, Int4DQ) or the reference (int8, float8)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from test_cuda_contracts import fake_gpu
 
@@ -246,15 +246,18 @@ def test_the_rows_are_chosen_on_cuda_at_few_rows(monkeypatch):
         assert on_gpu.packing is None
         assert kernels.select_kernel("linear", torch.empty(1, 256, dtype=torch.bfloat16, device="cuda"),
                                      on_gpu).name == "triton_int4_gemv"
+        # Past the GEMV: the GEMM (tests/kernels/test_triton_gemm.py has the rows by M).
         assert kernels.select_kernel("linear", torch.empty(64, 256, dtype=torch.bfloat16, device="cuda"),
-                                     on_gpu).name == "reference"
+                                     on_gpu).name == "triton_int4_gemm"
         dq = dq.to("cuda").place()
         assert dq.packing is None  # no CUDA packing: the canonical layout the kernel reads
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             x = torch.empty(1, 256, dtype=dtype, device="cuda")
             assert kernels.select_kernel("linear", x, dq).name == "triton_int4dq_gemv", dtype
         assert kernels.select_kernel("linear", torch.empty(8, 256, device="cuda"), dq).name == "triton_int4dq_gemv"
-        assert kernels.select_kernel("linear", torch.empty(9, 256, device="cuda"), dq).name == "reference"
+        assert kernels.select_kernel("linear", torch.empty(9, 256, device="cuda"), dq).name == "triton_int4dq_dequantize_mm"
+        assert kernels.select_kernel("linear", torch.empty(9, 256, dtype=torch.bfloat16, device="cuda"),
+                                     dq).name == "triton_int4dq_gemm"
         one_row = torch.empty(1, 320, dtype=torch.bfloat16, device="cuda")
         for name, q in weights.items():
             on_gpu = q.to("cuda").place()
