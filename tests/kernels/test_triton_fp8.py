@@ -35,8 +35,7 @@ E4M3 = torch.float8_e4m3fn
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_only_here():
-    yield
-    triton_interpreter.leave_the_environment()
+    yield from triton_interpreter.interpreter_for_the_module()
 
 
 @pytest.fixture(scope="module")

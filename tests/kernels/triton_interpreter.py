@@ -16,10 +16,18 @@ if SETS_INTERPRET:
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def leave_the_environment():
-    """The variable set above is these modules': later tests see the environment they had."""
-    if SETS_INTERPRET:
+def interpreter_for_the_module():
+    """A module-scoped fixture's body: TRITON_INTERPRET=1 while the module's tests run where the
+    kernels are interpreted (they read it at launch: test_triton.py may have dropped it), and
+    afterwards the environment as it was before any of these modules set it."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if is_interpreted():
+        os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if SETS_INTERPRET or before is None:
         os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
 
 
 def is_interpreted() -> bool:
