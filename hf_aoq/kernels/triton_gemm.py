@@ -30,8 +30,13 @@ GEMM_TILE_ROWS = (16, 32, 64, None)  # None: any M
 DEQUANT_BLOCK_N, DEQUANT_BLOCK_K = 32, 64
 
 
-def gemm_tile(m: int, group_size: int) -> tuple[int, int, int, int, int]:
-    """The tile for M rows: BLOCK_K is cut to divide the group size."""
+def gemm_tile(m: int, group_size: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
+    """The tile for M rows: BLOCK_K is cut to divide the group size. float32 activations (no
+    row's choice: dequantization + cuBLAS serves them) take the smallest tile at BLOCK_K 32 at
+    every M: float32 dot operands spill at BLOCK_K 64, or at BLOCK_M 64."""
+    if dtype == torch.float32:
+        bm, bn, bk, warps, stages = GEMM_TILES[0]
+        return bm, bn, min(32, group_size), warps, stages
     for rows, (bm, bn, bk, warps, stages) in zip(GEMM_TILE_ROWS, GEMM_TILES):
         if rows is None or m <= rows:
             return bm, bn, min(bk, group_size), warps, stages
@@ -146,7 +151,7 @@ def _dot_f32(x2: torch.Tensor) -> bool:
 def _gemm_launch(x2: torch.Tensor, n: int, group_size: int, bias, tile):
     """The output, grid and common launch options of a GEMM of x2 [M, K] to N columns."""
     m = x2.shape[0]
-    bm, bn, bk, warps, stages = tile or gemm_tile(m, group_size)
+    bm, bn, bk, warps, stages = tile or gemm_tile(m, group_size, x2.dtype)
     y = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     options = dict(HAS_BIAS=bias is not None, ROUND=_ROUND[x2.dtype], DOT_F32=_dot_f32(x2), BLOCK_M=bm,
                    BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, enable_fp_fusion=False)

@@ -189,6 +189,7 @@ def test_the_rows_by_m(monkeypatch, rows, dtype, expected):
 
 
 COMPILE_FOR_H200 = triton_interpreter.RESOURCE_USAGE + """
+import torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hf_aoq.kernels import triton_gemm
@@ -225,7 +226,8 @@ for rows in triton_gemm.GEMM_TILE_ROWS:  # every tile the table picks, at its la
 builds.append(int4("*fp16", 32, False, triton_gemm.gemm_tile(16, 32)))
 builds.append(int4("*fp16", 256, True, triton_gemm.gemm_tile(64, 256)))
 builds.append(int4dq("*fp16", 32, triton_gemm.gemm_tile(32, 32)))
-builds.append(int4("*fp32", 128, True, triton_gemm.gemm_tile(16, 128)))
+assert len({triton_gemm.gemm_tile(m, 128, torch.float32) for m in (1, 16, 64, 512)}) == 1  # one float32 tile
+builds.append(int4("*fp32", 128, True, triton_gemm.gemm_tile(64, 128, torch.float32)))
 for kernel, signature, constexprs, warps, stages in builds:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
