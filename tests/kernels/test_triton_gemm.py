@@ -18,7 +18,8 @@ from hf_aoq.kernels import registry, triton_kernels  # noqa: E402
 from hf_aoq.tensors.int4dq import LUT  # noqa: E402
 
 pytestmark = pytest.mark.triton
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # of sum |x| |w|: accumulation and output rounding
+# Of sum |x| |w|: float32 accumulation and the output's rounding.
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 ROWS = (2, 5, 16)
 
 
@@ -70,8 +71,8 @@ def test_int4_gemm_matches_the_reference(gemm, n, k, group, symmetric, dtype):
     # The table's row (eager: the kernel itself) on a 3-D input.
     x3 = torch.randn(2, 8, k, dtype=dtype)
     y3 = triton_kernels.int4_triton_gemm_linear(x3, q, None)
-    assert y3.shape == (2, 8, n) and torch.equal(y3.reshape(16, n), gemm.int4_gemm(x3.reshape(16, k), q.qdata,
-                                                                                     q.scale, q.zero, None, group, n, k))
+    y2 = gemm.int4_gemm(x3.reshape(16, k), q.qdata, q.scale, q.zero, None, group, n, k)
+    assert y3.shape == (2, 8, n) and torch.equal(y3.reshape(16, n), y2)
 
 
 @pytest.mark.parametrize("n,k,group,symmetric", INT4_SHAPES)
@@ -107,9 +108,9 @@ def test_every_tile_gives_the_references_product(gemm):
         assert gemm.gemm_tile(rows or 10 ** 6, 64) == tile[:2] + (min(tile[2], 64),) + tile[3:]
         y = gemm.int4_gemm(x, q.qdata, q.scale, q.zero, None, 64, 72, 256, tile=tile)
         _check_product(y, x, q.dequantize(torch.bfloat16), None, _reference("Int4Tensor")(x, q, None))
-        y = gemm.int4dq_gemm(x[:, :192], dq.qdata, dq.gparams, dq.rparams, dq.tparams, LUT, None, 64, 40, 192,
-                             tile=tile)
-        _check_product(y, x[:, :192], dq.dequantize(torch.bfloat16), None, _reference("Int4DQTensor")(x[:, :192], dq, None))
+        xk = x[:, :192]
+        y = gemm.int4dq_gemm(xk, dq.qdata, dq.gparams, dq.rparams, dq.tparams, LUT, None, 64, 40, 192, tile=tile)
+        _check_product(y, xk, dq.dequantize(torch.bfloat16), None, _reference("Int4DQTensor")(xk, dq, None))
     assert gemm.gemm_tile(16, 32)[2] == 32  # BLOCK_K divides the group
 
 
@@ -148,7 +149,8 @@ def test_int4dq_dequantization_is_the_references_bit_for_bit(gemm, n, k, group, 
     w = gemm.int4dq_dequantize(q.qdata, q.gparams, q.rparams, q.tparams, LUT, group, n, k, dtype)
     assert torch.equal(w, q.dequantize(dtype))
     x = torch.randn(70, k, dtype=dtype)
-    assert torch.equal(triton_kernels.int4dq_triton_dequantize_linear(x, q, None), _reference("Int4DQTensor")(x, q, None))
+    y = triton_kernels.int4dq_triton_dequantize_linear(x, q, None)
+    assert torch.equal(y, _reference("Int4DQTensor")(x, q, None))
 
 
 @pytest.mark.parametrize("rows,dtype,expected", [
