@@ -1,8 +1,12 @@
 #!/usr/bin/env python
 """The GPU benchmark of scripts/gpu_check.sh: hf_aoq's CUDA linears against bf16 and against the
-aten kernels they call, and a tiny model's decode speed, written as JSON.
+aten kernels they call, and a tiny model's decode speed, written as JSON; with --crossover, the
+Triton int4 / Int4DQ kernels at M = 1 .. 512 (GEMV, GEMM, dequantize + cuBLAS) and the fused fp8
+activation quantizer, with the row counts where one overtakes the other: what
+TRITON_GEMV_MAX_ROWS and TRITON_GEMM_MAX_ROWS (hf_aoq/kernels/triton_kernels.py) should be.
 
     python scripts/gpu_bench.py --out gpu_check_out/bench.json
+    python scripts/gpu_bench.py --crossover --out gpu_check_out/crossover.json
     python scripts/gpu_bench.py --list        # the cases, without a GPU
 
 Times are CUDA-event medians over `--iters` calls after warm-up, per (scheme, rows, shape).
@@ -24,8 +28,24 @@ ROWS = [1, 16, 512]
 SHAPES = [(4096, 4096), (11008, 4096)]
 
 
+# --crossover: one shape, bf16 activations; each Triton kernel over the rows where it may win.
+CROSSOVER_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+CROSSOVER_SHAPE = (4096, 4096)
+CROSSOVER_KERNELS = {"gemv": (1, 32), "gemm": (2, 512), "dequantize_mm": (8, 512)}  # rows from, to
+QUANTIZER_ROWS = [1, 16, 512]
+
+
 def cases() -> list[dict]:
     return [{"scheme": s, "rows": m, "n": n, "k": k} for s in SCHEMES for m in ROWS for n, k in SHAPES]
+
+
+def crossover_cases() -> list[dict]:
+    n, k = CROSSOVER_SHAPE
+    out = [{"section": "crossover", "scheme": s, "kernel": name, "rows": m, "n": n, "k": k}
+           for s in ("int4", "int4dq") for m in CROSSOVER_ROWS
+           for name, (lo, hi) in CROSSOVER_KERNELS.items() if lo <= m <= hi]
+    return out + [{"section": "crossover", "scheme": "fp8-quantize", "kernel": "triton", "rows": m, "n": 0, "k": k}
+                  for m in QUANTIZER_ROWS]
 
 
 def config_of(scheme: str):
@@ -117,6 +137,75 @@ def bench_linears(iters: int, results: list, save) -> list[dict]:
     return results
 
 
+def crossover_kernels(scheme: str, q, n: int, k: int):
+    """name -> fn(x) for the Triton kernels of a canonical int4 (groups of 128) or Int4DQ weight."""
+    from hf_aoq.kernels import triton_gemm, triton_jit
+    from hf_aoq.kernels.triton_kernels import _lut_on
+
+    g = q.block_size[-1]
+    if scheme == "int4":
+        return {
+            "gemv": lambda x: triton_jit.int4_gemv(x, q.qdata, q.scale, q.zero, None, g, n, k),
+            "gemm": lambda x: triton_gemm.int4_gemm(x, q.qdata, q.scale, q.zero, None, g, n, k),
+            "dequantize_mm": lambda x: F.linear(x, triton_gemm.int4_dequantize(q.qdata, q.scale, q.zero, g, n, k,
+                                                                               x.dtype)),
+        }
+    lut = _lut_on(q.qdata.device)
+    fields = (q.qdata, q.gparams, q.rparams, q.tparams, lut)
+    return {
+        "gemv": lambda x: triton_jit.int4dq_gemv(x, *fields, None, g, n, k),
+        "gemm": lambda x: triton_gemm.int4dq_gemm(x, *fields, None, g, n, k),
+        "dequantize_mm": lambda x: F.linear(x, triton_gemm.int4dq_dequantize(*fields, g, n, k, x.dtype)),
+    }
+
+
+def crossovers(rows: list[dict]) -> dict:
+    """Per scheme: the fewest rows at which the GEMM beats the GEMV and dequantize + cuBLAS beats
+    the GEMM (None: not within the rows measured), and the limits the table uses now."""
+    from hf_aoq.kernels.triton_kernels import TRITON_GEMM_MAX_ROWS, TRITON_GEMV_MAX_ROWS
+
+    out = {"TRITON_GEMV_MAX_ROWS": TRITON_GEMV_MAX_ROWS, "TRITON_GEMM_MAX_ROWS": TRITON_GEMM_MAX_ROWS}
+    for scheme in ("int4", "int4dq"):
+        ms = {(r["kernel"], r["rows"]): r["ms"] for r in rows if r["scheme"] == scheme}
+
+        def first(faster, slower):
+            return next((m for m in CROSSOVER_ROWS if (faster, m) in ms and (slower, m) in ms
+                         and ms[(faster, m)] < ms[(slower, m)]), None)
+
+        out[scheme] = {"gemm_beats_gemv_from": first("gemm", "gemv"),
+                       "dequantize_mm_beats_gemm_from": first("dequantize_mm", "gemm")}
+    return out
+
+
+def bench_crossover(iters: int, report: dict, save) -> None:
+    """Each case of crossover_cases(), against bf16 F.linear and what the table picks."""
+    from hf_aoq import Int4DQWeightOnlyConfig, Int4Tensor, kernels
+    from hf_aoq.kernels import triton_jit
+    from hf_aoq.tensors.float8 import quantize_input_float8
+
+    rows, n, k = report["crossover"], *CROSSOVER_SHAPE
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    weights = {"int4": Int4Tensor.from_float(w, 128, qparams="minmax"),  # canonical, as the Triton rows read it
+               "int4dq": Int4DQWeightOnlyConfig().quantize_weight(w).place()}
+    fns = {s: crossover_kernels(s, q, n, k) for s, q in weights.items()}
+    for case in crossover_cases():
+        x = torch.randn(case["rows"], k, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            if case["scheme"] == "fp8-quantize":
+                row = dict(case, ms=time_ms(lambda: triton_jit.quantize_rows_fp8(x), iters),
+                           torch_ms=time_ms(lambda: quantize_input_float8(x, "per_row", torch.float8_e4m3fn), iters))
+            else:
+                q = weights[case["scheme"]]
+                row = dict(case, ms=time_ms(lambda: fns[case["scheme"]][case["kernel"]](x), iters),
+                           bf16_ms=time_ms(lambda: F.linear(x, w), iters),
+                           table=kernels.select_kernel("linear", x, q).name)
+        rows.append(row)
+        report["crossovers"] = crossovers(rows)
+        save()
+        print(json.dumps(row), flush=True)
+
+
 def bench_decode(tokens: int, out: list, save) -> list[dict]:
     """Greedy decode tok/s of a small random Llama (bf16 and each scheme), batch 1."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -148,11 +237,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
+    parser.add_argument("--crossover", action="store_true",
+                        help="only the Triton crossover rows (int4 / Int4DQ GEMV, GEMM, dequantize + cuBLAS)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
     if args.list:
-        print(json.dumps(cases()))
+        print(json.dumps(cases() + crossover_cases()))
         return 0
     if not torch.cuda.is_available():
         print("gpu_bench.py: no CUDA device", file=sys.stderr)
@@ -168,8 +259,13 @@ def main(argv=None) -> int:
                 json.dump(report, f, indent=1)
             os.replace(args.out + ".tmp", args.out)
 
-    bench_linears(args.iters, report["linears"], save)
-    bench_decode(args.tokens, report["decode"], save)
+    if args.crossover:
+        report.update(crossover=[], crossovers={})
+        del report["linears"], report["decode"]
+        bench_crossover(args.iters, report, save)
+    else:
+        bench_linears(args.iters, report["linears"], save)
+        bench_decode(args.tokens, report["decode"], save)
     if not args.out:
         print(json.dumps(report, indent=1))
     return 0

@@ -31,9 +31,10 @@ else PY=python3; fi
 # these tests runs aten's CPU kernels instead (HF_AOQ_NO_CPU_EXT= builds and uses it).
 export HF_AOQ_NO_CPU_EXT=${HF_AOQ_NO_CPU_EXT-1}
 # Each step has its own limit, 5 minutes in all; what a step finished is kept when it is cut.
-TEST_TIMEOUT=${TEST_TIMEOUT:-150}
-COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-60}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-90}
+TEST_TIMEOUT=${TEST_TIMEOUT:-135}
+COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-50}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-70}
+CROSSOVER_TIMEOUT=${CROSSOVER_TIMEOUT:-45}
 TP_TIMEOUT=${TP_TIMEOUT:-300}
 
 run() {  # print a step; run it unless --dry-run
@@ -74,7 +75,12 @@ fi
 # 4. The benchmark (run even if a test failed: its figures say where).
 run env PYTHONPATH="$PWD" timeout "$BENCH_TIMEOUT" "$PY" scripts/gpu_bench.py --out "$OUT/bench.json"
 bench_rc=$?
+# 5. The Triton crossovers: int4 / Int4DQ GEMV, GEMM and dequantize + cuBLAS at 1 .. 512 rows
+#    (what TRITON_GEMV_MAX_ROWS and TRITON_GEMM_MAX_ROWS should be), and the fp8 quantizer.
+run env PYTHONPATH="$PWD" timeout "$CROSSOVER_TIMEOUT" "$PY" scripts/gpu_bench.py --crossover --iters 20 \
+  --out "$OUT/crossover.json"
+crossover_rc=$?
 [ "$DRY" = 1 ] && exit 0
-echo "{\"tests_rc\": $tests_rc, \"compile_rc\": $compile_rc, \"bench_rc\": $bench_rc, \"tp2_rc\": $tp2_rc}" > "$OUT/summary.json"
-echo "gpu_check: tests rc=$tests_rc, compile tests rc=$compile_rc, bench rc=$bench_rc, tp2 rc=$tp2_rc; results in $OUT"
-[ "$tests_rc" = 0 ] && [ "$compile_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$tp2_rc" = 0 ]
+echo "{\"tests_rc\": $tests_rc, \"compile_rc\": $compile_rc, \"bench_rc\": $bench_rc, \"crossover_rc\": $crossover_rc, \"tp2_rc\": $tp2_rc}" > "$OUT/summary.json"
+echo "gpu_check: tests rc=$tests_rc, compile tests rc=$compile_rc, bench rc=$bench_rc, crossover rc=$crossover_rc, tp2 rc=$tp2_rc; results in $OUT"
+[ "$tests_rc" = 0 ] && [ "$compile_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$crossover_rc" = 0 ] && [ "$tp2_rc" = 0 ]

@@ -20,7 +20,7 @@ from .common import FLOATS, INT4_GROUP_SIZES, int4_padded_k, pad_input, pad_int4
 from .nibbles import unpack_nibbles
 from .registry import Packing, capability, capable, register_kernel, register_packing
 from .tinygemm_layout import inner_k_tiles, tinygemm_pack, tinygemm_unpack
-from .triton_kernels import quantize_int8_per_token_fused
+from .triton_kernels import quantize_input_fused, quantize_int8_per_token_fused, simulate_input_quantization_fused
 
 aten = torch.ops.aten
 
@@ -124,7 +124,7 @@ def int4_tinygemm_linear(x, w, bias):
     """tinygemm reads bf16 activations only: fp16 and fp32 ones are cast to bf16 and the output
     back (the reference would unpack the weight on every call)."""
     n, k = w.shape
-    x = w.simulate_input_quantization(x)  # activation-quantized Int4Tensors: as the reference
+    x = simulate_input_quantization_fused(w, x)  # activation-quantized Int4Tensors: as the reference
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return _no_rows(x, n, x.dtype)
@@ -193,7 +193,7 @@ def _scaled_mm_linear(x, w, bias, rowwise: bool):
     m = x2.shape[0]
     if m == 0:
         return _no_rows(x, n, x.dtype)
-    xq, x_scale = w.quantize_input(x2)
+    xq, x_scale = quantize_input_fused(w, x2)  # e4m3 per row: one Triton kernel where triton runs
     mat2 = w.qdata.t() if w.qdata.is_contiguous() else w.qdata.contiguous().t()
     if rowwise:
         scale_a = x_scale.float().reshape(m, 1).contiguous()

@@ -394,10 +394,12 @@ def test_an_empty_batch_on_cpu_too():
     assert tuple(F.linear(torch.randn(2, 0, 64), q.place()).shape) == (2, 0, 32)
 
 
-@pytest.mark.parametrize("rows,expected", [(1, "triton_int4dq_gemv"), (8, "triton_int4dq_gemv"), (17, "reference")])
+@pytest.mark.parametrize("rows,expected", [(1, "triton_int4dq_gemv"), (8, "triton_int4dq_gemv"),
+                                           (17, "triton_int4dq_gemm"), (65, "triton_int4dq_dequantize_mm")])
 def test_int4dq_takes_the_triton_gemv_at_few_rows(monkeypatch, rows, expected):
     """Where triton runs, Int4DQ (canonical on CUDA: no packing there) takes the Triton GEMV up to
-    TRITON_GEMV_MAX_ROWS rows, the reference above."""
+    TRITON_GEMV_MAX_ROWS rows, the Triton GEMM up to TRITON_GEMM_MAX_ROWS, then one Triton
+    dequantization and cuBLAS (tests/kernels/test_triton_gemm.py has the rows by M)."""
     w, bias = _weights(576)
     q = Int4DQWeightOnlyConfig().quantize_weight(w)
     with fake_gpu(monkeypatch) as calls:

@@ -20,6 +20,7 @@ def test_dry_run_prints_the_steps_and_writes_nothing(tmp_path):
     for expected in ("tests/kernels/test_cuda.py", "tests/integrations/test_transformers_cuda.py",
                      "tests/kernels/test_cuda_contracts.py",
                      "-k compile", "scripts/gpu_bench.py --out " + str(out / "bench.json"),
+                     "scripts/gpu_bench.py --crossover --iters 20 --out " + str(out / "crossover.json"),
                      str(out / "tests.xml"), str(out / "env.json")):
         assert expected in done.stdout, expected
     named = {w for w in done.stdout.split() if w.startswith("tests/") and w.endswith(".py")}
@@ -52,3 +53,36 @@ def test_the_benchmark_covers_every_scheme_at_1_16_and_512_rows():
     no_gpu = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_bench.py")], env=env,
                             capture_output=True, text=True, timeout=120)
     assert no_gpu.returncode == 2 and "no CUDA device" in no_gpu.stderr
+
+
+def test_the_crossover_rows_give_the_triton_limits():
+    """--crossover times the int4 and Int4DQ GEMV, GEMM and dequantize + cuBLAS over 1 .. 512
+    rows (each where it may win) and the fp8 quantizer at 1, 16 and 512; `crossovers` reads off
+    where the GEMM overtakes the GEMV and dequantize + cuBLAS the GEMM."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_bench
+    finally:
+        sys.path.pop(0)
+    from hf_aoq.kernels.triton_kernels import TRITON_GEMM_MAX_ROWS, TRITON_GEMV_MAX_ROWS
+
+    cases = gpu_bench.crossover_cases()
+    for scheme in ("int4", "int4dq"):
+        rows = {kernel: {c["rows"] for c in cases if c["scheme"] == scheme and c["kernel"] == kernel}
+                for kernel in ("gemv", "gemm", "dequantize_mm")}
+        assert {1, 16} <= rows["gemv"] and {2, 16, 512} <= rows["gemm"] and {16, 512} <= rows["dequantize_mm"]
+        # Both sides of both limits are measured.
+        for limit in (TRITON_GEMV_MAX_ROWS, TRITON_GEMM_MAX_ROWS):
+            assert any(m <= limit for m in rows["gemm"]) and any(m > limit for m in rows["gemm"])
+        assert min(rows["gemv"]) <= TRITON_GEMV_MAX_ROWS < max(rows["gemv"])
+    assert {c["rows"] for c in cases if c["scheme"] == "fp8-quantize"} == {1, 16, 512}
+    times = {("gemv", 8): 1.0, ("gemm", 8): 1.2, ("gemv", 16): 2.0, ("gemm", 16): 1.5, ("gemm", 32): 2.0,
+             ("dequantize_mm", 32): 3.0, ("gemm", 64): 4.0, ("dequantize_mm", 64): 3.5}
+    rows = [{"scheme": "int4", "kernel": kernel, "rows": m, "ms": ms} for (kernel, m), ms in times.items()]
+    found = gpu_bench.crossovers(rows)
+    assert found["int4"] == {"gemm_beats_gemv_from": 16, "dequantize_mm_beats_gemm_from": 64}
+    assert found["int4dq"] == {"gemm_beats_gemv_from": None, "dequantize_mm_beats_gemm_from": None}
+    assert found["TRITON_GEMV_MAX_ROWS"] == TRITON_GEMV_MAX_ROWS
+    for case in cases:  # every row names a kernel crossover_kernels has
+        if case["scheme"] != "fp8-quantize":
+            assert case["kernel"] in ("gemv", "gemm", "dequantize_mm")
