@@ -15,6 +15,8 @@ docs/torchao.md describes the format and the mapping:
                              any, with int8   IntxTensor      act_quant per_token_asymmetric
                              asym per-token
                              activations
+    NVFP4Tensor (2-D, plain or swizzled       NVFP4Tensor     bits copied; no per-tensor scale = 1;
+                 e4m3 scales)                                 dynamic NVFP4 activations: act_quant nvfp4
 
 Anything else (another torchao type, another bit width or block shape, asymmetric int8 in
 Int8Tensor, activation pre-scales, static activation scales) is refused with an error that names the tensor
@@ -55,6 +57,7 @@ from ..serialization.common import read_json_file
 from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor, IntxTensor
 from ..tensors import intx
 from ..tensors.int4 import GROUP_SIZES
+from . import torchao_nvfp4
 from .torchao_format import (
     FLOAT8_DTYPES,
     FLOAT_DTYPES,
@@ -415,6 +418,7 @@ _CONVERTERS: dict[str, tuple[Spec, Callable]] = {
               frozenset({"target_dtype", "block_size", "dtype"}), frozenset({"activation_quantization"})),
         _intx_tensor,
     ),
+    "NVFP4Tensor": (torchao_nvfp4.SPEC, torchao_nvfp4.convert_nvfp4),
 }
 # torchao types its safetensors support writes that have no hf_aoq equivalent.
 _UNSUPPORTED = {
@@ -423,7 +427,6 @@ _UNSUPPORTED = {
     "Int4PlainInt32Tensor": "int4 packed in int32 for XPU/NPU kernels",
     "Int4PreshuffledTensor": "int4 preshuffled for mslk's kernels",
     "MXTensor": "MX block-scaled formats (mxfp8/mxfp4)",
-    "NVFP4Tensor": "NVFP4",
 }
 
 

@@ -35,7 +35,7 @@ FLOAT8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.floa
 INT_DTYPES = {f"int{b}": b for b in range(1, 9)}  # torch.int1 .. torch.int8 -> bit width
 _OBJECT_TYPES = frozenset(
     {"PerRow", "PerTensor", "PerGroup", "PerAxis", "Float8MMConfig", "QuantizeTensorToFloat8Kwargs",
-     "QuantizeTensorToInt8Kwargs"}
+     "QuantizeTensorToInt8Kwargs", "QuantizeTensorToNVFP4Kwargs"}
 )
 _ENUM_TYPES = {
     "MappingType": frozenset({"SYMMETRIC", "ASYMMETRIC", "SYMMETRIC_NO_CLIPPING_ERR"}),
@@ -43,6 +43,8 @@ _ENUM_TYPES = {
     # IntxUnpackedToInt8Tensor.activation_quantization (a str enum: usually written as its plain
     # value "int8_asym_per_token"; this is the object form, should a writer use it).
     "IntxUnpackedToInt8TensorActivationQuantization": frozenset({"INT8_ASYM_PER_TOKEN"}),
+    # NVFP4Tensor's quantization kernel (torchao's NVFP4QuantizeKernelChoice): no effect on the values.
+    "NVFP4QuantizeKernelChoice": frozenset({"TORCH", "TRITON", "FLASHINFER", "MSLK"}),
 }
 
 

@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor, MXTensor
+from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor, MXTensor, NVFP4Tensor
 from hf_aoq import serialization as S
 from hf_aoq.core import registry
 
@@ -32,7 +32,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def reference_linear_f64(w, x):
     """As scripts/make_fixtures.py computed it: exact in float64 for the stored inputs."""
-    return w.simulate_input_quantization(x).double() @ w.dequantize().double().t()
+    return w.simulate_input_quantization(x).double() @ w.dequantize().double().transpose(-1, -2)  # [E, M, N] for 3-D
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +55,7 @@ def test_fixtures_are_never_regenerated():
     schemas get new fixtures next to these; see docs/format.md."""
     assert sorted(MANIFESTS) == ["manifest.act_variants.json", "manifest.int4dq.json", "manifest.intx.json",
                                  "manifest.intx_asym_act.json", "manifest.json", "manifest.mx.json",
-                                 "manifest.partial_groups.json"]
+                                 "manifest.nvfp4.json", "manifest.partial_groups.json"]
     for file, info in MANIFEST["files"].items():
         for name, digest in ((file, info["sha256"]), (info["expected"], info["expected_sha256"])):
             assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == digest, name
@@ -100,7 +100,10 @@ def assert_kernel_close(w, x, reference):
     """A placed weight's own kernel agrees with the exact reference within its precision."""
     # clone(): a tensor mapped from a file may start at any even address, and aten's int8 CPU
     # kernel (torch 2.13) crashes on an activation that is not 4-byte aligned.
-    y = F.linear(x.clone(), w).double().cpu()
+    if w.ndim == 3:  # fused experts: each expert's linear
+        y = torch.stack([F.linear(x.clone(), w[e]) for e in range(w.shape[0])]).double().cpu()
+    else:
+        y = F.linear(x.clone(), w).double().cpu()
     scale = reference.abs().max().item()
     torch.testing.assert_close(y, reference, rtol=2**-6, atol=scale * 2**-6)
 
@@ -146,7 +149,7 @@ def later_release(base: type[AOQTensor]) -> type[AOQTensor]:
     )
 
 
-@pytest.fixture(params=[Int4Tensor, Int8Tensor, Float8Tensor, MXTensor], ids=lambda c: c.__name__)
+@pytest.fixture(params=[Int4Tensor, Int8Tensor, Float8Tensor, MXTensor, NVFP4Tensor], ids=lambda c: c.__name__)
 def grown(request, monkeypatch):
     base = request.param
     cls = later_release(base)

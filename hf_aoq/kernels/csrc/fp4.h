@@ -35,24 +35,26 @@ struct DenormalsKept {
 #endif
 };
 
-// Activation rows [M, K] (float32) as [M, chunks, 8 (t), 8 (j)]: x[64c + 8j + t], zero past K.
-inline void permute_rows(const float* x, float* xp, int64_t M, int64_t K, int64_t chunks) {
+// Activation rows [M, K] (float32) as [M, chunks, 8 (t), L (j)] with L = chunk / 8 lanes (8 for a
+// 32-byte load, 16 for a 64-byte one): x[chunk * c + 8j + t], zero past K.
+inline void permute_rows(const float* x, float* xp, int64_t M, int64_t K, int64_t chunks, int64_t chunk = CHUNK) {
+  const int64_t lanes = chunk / 8;
   for (int64_t m = 0; m < M; ++m) {
     const float* s = x + m * K;
-    float* d = xp + m * chunks * CHUNK;
+    float* d = xp + m * chunks * chunk;
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t t = 0; t < 8; ++t)
-        for (int64_t j = 0; j < 8; ++j) {
-          const int64_t k = c * CHUNK + 8 * j + t;
-          d[c * CHUNK + 8 * t + j] = k < K ? s[k] : 0.f;
+        for (int64_t j = 0; j < lanes; ++j) {
+          const int64_t k = c * chunk + 8 * j + t;
+          d[c * chunk + lanes * t + j] = k < K ? s[k] : 0.f;
         }
   }
 }
 
 // The activation value the scalar code pairs with element k (the permuted layout above).
-inline float permuted(const float* xp_row, int64_t k) {
-  const int64_t c = k / CHUNK, r = k % CHUNK;
-  return xp_row[c * CHUNK + 8 * (r % 8) + r / 8];
+inline float permuted(const float* xp_row, int64_t k, int64_t chunk = CHUNK) {
+  const int64_t c = k / chunk, r = k % chunk;
+  return xp_row[c * chunk + (chunk / 8) * (r % 8) + r / 8];
 }
 
 #if defined(__AVX2__)

@@ -9,6 +9,7 @@
 // 7 moved to bit 31, and 0x7F / 0xFF are NaN. Times the per-tensor scale (float32, the
 // reference's block_scales), spread to the lane pairs, it multiplies each lane's partial sums.
 // Denormals are neither flushed nor treated as zero during the call (the decode needs them).
+// The AVX-512 build reads 64 bytes at a time and decodes codes by the whole 16-entry e2m1 table.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -31,7 +32,58 @@ inline float e4m3(uint8_t b) {
   return (b & 0x80) ? -mag : mag;
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// AVX-512: 64 bytes (128 elements, eight blocks) per load, sixteen 32-bit lanes; lane j holds
+// elements 8j .. 8j + 7 and blocks are lane pairs, as in fp4.h's 32-byte layout. vpermps on zmm
+// reads four index bits, so the whole 16-entry e2m1 table (signs included) decodes a code in one
+// instruction. The scale decode is the AVX2 one on eight bytes.
+constexpr int64_t CHUNK_BYTES = 64;
+
+inline __m512 chunk_scales(const uint8_t* sc, int64_t c, int64_t B, __m256 pts) {
+  const int64_t left = std::min<int64_t>(8, B - 8 * c);
+  const __m128i bytes = _mm_maskz_loadu_epi8(__mmask16((1u << left) - 1), sc + 8 * c);
+  const __m256i b = _mm256_cvtepu8_epi32(bytes);
+  const __m256i low = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(low, 20)), _mm256_set1_ps(0x1p120f));
+  v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(low, _mm256_set1_epi32(0x7F)));
+  v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+  v = _mm256_mul_ps(v, pts);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(v));
+}
+
+template <int MB>
+inline void row_dots(const uint8_t* row, const uint8_t* sc, int64_t K, float pts, const float* xp, int64_t stride,
+                     float* acc) {
+  const __m512 table = _mm512_loadu_ps(E2M1);
+  const __m256 p = _mm256_set1_ps(pts);
+  const int64_t B = (K + BLOCK - 1) / BLOCK, row_bytes = K / 2, chunks = (row_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES;
+  __m512 total[MB];
+  for (int i = 0; i < MB; ++i) total[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t left = std::min<int64_t>(CHUNK_BYTES, row_bytes - c * CHUNK_BYTES);
+    const __mmask64 mask = left == 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(mask, row + c * CHUNK_BYTES);
+    const __m512 scale = chunk_scales(sc, c, B, p);
+    __m512 a[MB], b[MB];
+    for (int i = 0; i < MB; ++i) a[i] = b[i] = _mm512_setzero_ps();
+    const float* xc = xp + c * 2 * CHUNK_BYTES;
+#define HF_AOQ_NVFP4_STEP(T, ACC)                                                                     \
+  {                                                                                                   \
+    const __m512 w = _mm512_permutexvar_ps(T ? _mm512_srli_epi32(v, 4 * T) : v, table);               \
+    for (int i = 0; i < MB; ++i) ACC[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + i * stride + 16 * T), w, ACC[i]); \
+  }
+    HF_AOQ_NVFP4_STEP(0, a) HF_AOQ_NVFP4_STEP(1, b) HF_AOQ_NVFP4_STEP(2, a) HF_AOQ_NVFP4_STEP(3, b)
+    HF_AOQ_NVFP4_STEP(4, a) HF_AOQ_NVFP4_STEP(5, b) HF_AOQ_NVFP4_STEP(6, a) HF_AOQ_NVFP4_STEP(7, b)
+#undef HF_AOQ_NVFP4_STEP
+    for (int i = 0; i < MB; ++i) total[i] = _mm512_fmadd_ps(_mm512_add_ps(a[i], b[i]), scale, total[i]);
+  }
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_reduce_add_ps(total[i]);
+}
+#elif defined(__AVX2__)
+constexpr int64_t CHUNK_BYTES = 32;
+
 // The whole scales of blocks 4c .. 4c + 3 of a row (0 past its B blocks), lane-pair spread.
 inline __m256 chunk_scales(const uint8_t* sc, int64_t c, int64_t B, __m128 pts) {
   uint32_t four = 0;
@@ -74,6 +126,8 @@ inline void row_dots(const uint8_t* row, const uint8_t* sc, int64_t K, float pts
   }
   for (int i = 0; i < MB; ++i) acc[i] = hsum(total[i]);
 }
+#else
+constexpr int64_t CHUNK_BYTES = 32;
 #endif
 
 // The same sums in plain C++ (the generic build), block by block.
@@ -86,7 +140,7 @@ inline void row_dots_scalar(const uint8_t* row, const uint8_t* sc, int64_t K, fl
       float part = 0.f;
       for (int64_t k = blk * BLOCK; k < std::min(K, (blk + 1) * BLOCK); ++k) {
         const uint8_t byte = row[k / 2];
-        part += permuted(xp + i * stride, k) * E2M1[(k % 2) ? byte >> 4 : byte & 15];
+        part += permuted(xp + i * stride, k, 2 * CHUNK_BYTES) * E2M1[(k % 2) ? byte >> 4 : byte & 15];
       }
       total += part * (pts * e4m3(sc[blk]));
     }
@@ -120,9 +174,10 @@ torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tenso
   if (has_bias) TORCH_CHECK(bias->numel() == N, "bias: expected ", N, " values, got ", bias->numel());
   const float pts = per_tensor_scale.item<float>();
   const auto x2 = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
-  const int64_t M = x2.size(0), chunks = (k + CHUNK - 1) / CHUNK, stride = chunks * CHUNK;
+  const int64_t chunk = 2 * CHUNK_BYTES;  // elements per load of the build's vector width
+  const int64_t M = x2.size(0), chunks = (k + chunk - 1) / chunk, stride = chunks * chunk;
   auto xperm = torch::empty({M, stride}, x2.options());
-  permute_rows(x2.data_ptr<float>(), xperm.data_ptr<float>(), M, k, chunks);
+  permute_rows(x2.data_ptr<float>(), xperm.data_ptr<float>(), M, k, chunks, chunk);
   const auto q = qdata.contiguous();
   const auto s = scale.contiguous();
   auto y = torch::empty({M, N}, x2.options());
@@ -139,7 +194,7 @@ torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tenso
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t rows = std::min<int64_t>(4, M - m);
         const float* xm = xp + m * stride;
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
         switch (rows) {
           case 4: row_dots<4>(row, sc, k, pts, xm, stride, acc); break;
           case 3: row_dots<3>(row, sc, k, pts, xm, stride, acc); break;
