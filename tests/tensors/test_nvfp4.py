@@ -438,3 +438,5 @@ def test_cli_quantize_and_inspect(tiny_llama_dir, tmp_path, capsys):
     text = capsys.readouterr().out
     assert re.search(r"^model.layers.0.mlp.up_proj.weight\s+nvfp4 e2m1 g16 dyn-act nvfp4\s+256x128\s", text, re.M), text
     assert text.rstrip().endswith("every tensor loads: yes")
+    card = (out / "README.md").read_text()  # the model card names how the layers are stored
+    assert re.search(r"\| `model.layers.\*.mlp.up_proj` \| \d+ \| nvfp4 e2m1 g16 dyn-act nvfp4 \|", card), card
