@@ -84,7 +84,8 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
             grain = f"block {block[0]}x{block[1]}"
     else:
         grain = f"block {block}" if block else ""
-    kind = {"Int4Tensor": "int4", "Int4DQTensor": "int4dq", "Int8Tensor": "int8", "Float8Tensor": "fp8"}.get(
+    kind = {"Int4Tensor": "int4", "Int4DQTensor": "int4dq", "Int8Tensor": "int8", "Float8Tensor": "fp8",
+            "NVFP4Tensor": "nvfp4 e2m1"}.get(
         entry.type_name, entry.type_name
     )
     if kind == "fp8" and "qdata" in field_dtypes:

@@ -45,10 +45,13 @@ SCHEMES = {
                  "runs: 4.125 bits/weight",
     "fp8-static": "float8 e4m3 weights (a scale per tensor) x activations quantized to float8 with a fixed scale "
                   "per layer that --calibration FILE chooses (required): 8.0 bits/weight",
+    "nvfp4": "NVIDIA FP4: e2m1 weights (two per byte) with an e4m3 scale per block of 16 along the input and a "
+             "float32 scale per tensor, activations quantized to NVFP4 the same way as the model runs: 4.5 bits/weight",
+    "nvfp4-wo": "nvfp4's weights, activations kept as they are (weight-only): 4.5 bits/weight",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())
-_WEIGHT_ONLY = textwrap.fill("All but the -dyn, mx and <activation>-<weight> schemes are weight-only: weights are stored quantized and "
+_WEIGHT_ONLY = textwrap.fill("All but the -dyn, mx, nvfp4 and <activation>-<weight> schemes are weight-only: weights are stored quantized and "
                              "dequantized inside the kernels, activations stay in bf16/fp32. One rule: --scheme "
                              "names one tensor type, and --group-size only changes that type's group size, never "
                              "the type.", 96)

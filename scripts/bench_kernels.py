@@ -93,6 +93,14 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     if ext is not None:
         out.append(("hf_aoq mxfp4 gemv", lambda: cpu_mx.mxfp4_linear_io(x, mx4.qdata, mx4.scale, k, None)))
     out.append(("hf_aoq mxfp4 reference", lambda: reference.reference_linear(x, mx4, None)))
+    from hf_aoq.kernels import cpu_nvfp4
+    from hf_aoq.tensors.nvfp4 import NVFP4Tensor
+
+    nv4 = NVFP4Tensor.from_float(w.to(dtype))
+    if ext is not None:
+        out.append(("hf_aoq nvfp4 gemv", lambda: cpu_nvfp4.nvfp4_linear_io(x, nv4.qdata, nv4.scale, nv4.per_tensor_scale,
+                                                                          k, None)))
+    out.append(("hf_aoq nvfp4 reference", lambda: reference.reference_linear(x, nv4, None)))
     q4g32 = Int4Tensor.from_float(w.to(dtype), 32).place()
     out.append(("hf_aoq int4 g32 F.linear", lambda: F.linear(x, q4g32)))
     if ext is not None and hasattr(ext, "intx_linear_io"):  # IntxTensor's fields: any bytes are valid codes

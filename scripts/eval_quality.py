@@ -84,6 +84,10 @@ def hf_aoq_options(calibration):
         m, MX(activation_dtype=E4M3, weight_dtype=FP4), not_lm_head
     )
     yield "hf_aoq mxfp4 weight-only", lambda m: hf_aoq.quantize_(m, MX(activation_dtype=None, weight_dtype=FP4), not_lm_head)
+    yield "hf_aoq nvfp4 (`--scheme nvfp4`, NVFP4 activations)", lambda m: hf_aoq.quantize_(
+        m, hf_aoq.NVFP4InferenceConfig(), not_lm_head)
+    yield "hf_aoq nvfp4 weight-only (`--scheme nvfp4-wo`)", lambda m: hf_aoq.quantize_(
+        m, hf_aoq.NVFP4WeightOnlyConfig(), not_lm_head)
     # Intx (IntxTensor, bit-packed): the schemes int2, int3, int5, int6 (symmetric, "mse"
     # scales) and int4 in the same type, at groups of 32 and 128; and int8 per-token activations.
     Ix, Ix8 = hf_aoq.IntxWeightOnlyConfig, hf_aoq.Int8DynamicActivationIntxWeightConfig

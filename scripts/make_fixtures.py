@@ -16,6 +16,8 @@ new capability of a type, adds a generation to `GENERATIONS` below.
                                   asymmetric per-token activations), schema version 1
     manifest.mx3d.json            MXTensor fused experts [E, N, K] (3-D), among them the MXFP4
                                   experts `hf-aoq convert` makes of transformers' Mxfp4 checkpoints
+    manifest.nvfp4.json           NVFP4Tensor (new type: NVIDIA FP4, e4m3 block scales of 16 and a
+                                  float32 per-tensor scale; 2-D and 3-D experts), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -48,7 +50,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, PerRow, PerTensor  # noqa: E402
+from hf_aoq import (Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, NVFP4Tensor,  # noqa: E402
+                    PerRow, PerTensor)
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
 
@@ -251,6 +254,34 @@ def state_dicts_intx_asym_act() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_nvfp4() -> dict[str, dict[str, torch.Tensor]]:
+    def pow2_scale(w: torch.Tensor) -> torch.Tensor:
+        # amax 2688 * 2^-12: the per-tensor scale is exactly 2^-12 and every decoded value has few
+        # bits, so the stored float64 answers are exact (check_exact).
+        w = w.clone()
+        w.view(-1)[0] = 2688 * 2.0 ** -12
+        return w
+
+    experts = torch.stack([pow2_scale(weight(60 + e, 8, 48, BF16)) for e in range(3)]) * torch.tensor(
+        [1.0, 0.25, 4.0], dtype=BF16)[:, None, None]
+    special = torch.cat([torch.zeros(1, 32), torch.full((1, 32), -0.0), weight(64, 4, 32, F32) * 1e-6,
+                         weight(65, 4, 32, F32)]).to(F32)
+    special[-1, 0] = 2688 * 2.0 ** -8
+    return {
+        "v1_nvfp4": {
+            # Weight-only (nvfp4-wo) at SmolLM2's hidden size (36 blocks), a partial last block of 8
+            # (K = 72 = 4 x 16 + 8), fp16; the nvfp4 scheme's dynamic NVFP4 activations.
+            "wo_k576_bf16": NVFP4Tensor.from_float(pow2_scale(weight(56, 16, 576, BF16))),
+            "wo_k72_f16": NVFP4Tensor.from_float(pow2_scale(weight(57, 8, 72, F16))),
+            "dyn_k64_bf16": NVFP4Tensor.from_float(pow2_scale(weight(58, 16, 64, BF16)), "nvfp4"),
+            # Fused experts [E, N, K]: a per-tensor scale per expert, experts of different ranges.
+            "experts_e3_k48_bf16": NVFP4Tensor.from_float(experts, "nvfp4"),
+            # Zero blocks of both signs, tiny blocks whose scale clamps at 2^-6, an ordinary block.
+            "special_f32": NVFP4Tensor.from_float(special),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
@@ -260,6 +291,7 @@ GENERATIONS = {
     "manifest.act_variants.json": state_dicts_act_variants,
     "manifest.intx_asym_act.json": state_dicts_intx_asym_act,
     "manifest.mx3d.json": state_dicts_mx3d,
+    "manifest.nvfp4.json": state_dicts_nvfp4,
 }
 
 
@@ -279,7 +311,7 @@ def check_exact(w, x: torch.Tensor, name: str) -> None:
             check_exact(w[e], x, f"{name} (expert {e})")
         return
     a = w.simulate_input_quantization(x).double().tolist()
-    b = w.dequantize().double().tolist()
+    b = w.dequantize().double().reshape(-1, w.shape[-1]).tolist()  # every expert's rows for 3-D
     for row in a:
         for col in b:
             products = [Fraction(p) * Fraction(q) for p, q in zip(row, col)]

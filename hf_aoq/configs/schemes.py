@@ -7,21 +7,21 @@ import torch
 
 from ..core.errors import AOQError
 from ..core.granularity import PerGroup
-from ..tensors import intx, mx
+from ..tensors import intx, mx, nvfp4
 from .recipe import AOQBaseConfig
 from .float8 import Float8DynamicActivationFloat8WeightConfig, Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig
 from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyConfig, Int4DynamicActivationInt4WeightConfig,
                       Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig,
                       Int8WeightOnlyConfig)
 from .intx import INT_DTYPES_BY_BITS, Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
-from .microscaling import MXFPInferenceConfig
+from .microscaling import MXFPInferenceConfig, NVFP4InferenceConfig, NVFP4WeightOnlyConfig
 
 
 # ---------------------------------------------------------------------- schemes by name
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
 SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
            "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
-           "int8-int4", "fp8-int4", "int4-int4", "fp8-static")
+           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo")
 INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
 INTX_DEFAULT_GROUP = 32
 # The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
@@ -40,6 +40,8 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     or 32, 64, 256; what GPTQ calibration chooses); int8 (per row, or groups of `group_size`),
     int8-dyn, fp8 and fp8-dyn (per row, e4m3; no groups); mxfp8 and mxfp4 are MXFPInferenceConfig
     with e4m3 or e2m1 weights and e4m3 activations, both in MX blocks of 32 (their only size);
+    nvfp4 and nvfp4-wo are NVFP4InferenceConfig (NVFP4 activations) and NVFP4WeightOnlyConfig, in
+    blocks of 16 (their only size);
     int2, int3, int5 and int6 are IntxWeightOnlyConfig, symmetric, in groups of 32 (or 16, 64,
     128, 256); int8-int2 .. int8-int6 are Int8DynamicActivationIntxWeightConfig with the same
     weights and int8 per-token activations.
@@ -71,6 +73,10 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
             raise AOQError(f"scheme {scheme} has MX blocks of {mx.BLOCK_SIZE} only, got group size {group_size}")
         weight = torch.float8_e4m3fn if scheme == "mxfp8" else mx.FP4
         return MXFPInferenceConfig(activation_dtype=torch.float8_e4m3fn, weight_dtype=weight)
+    if scheme in ("nvfp4", "nvfp4-wo"):
+        if group_size not in (None, nvfp4.BLOCK_SIZE):
+            raise AOQError(f"scheme {scheme} has NVFP4 blocks of {nvfp4.BLOCK_SIZE} only, got group size {group_size}")
+        return NVFP4InferenceConfig() if scheme == "nvfp4" else NVFP4WeightOnlyConfig()
     if group_size is not None:
         raise AOQError(f"scheme {scheme} has no group size (it is per row); drop the group size or use int4/int8")
     return {

@@ -16,6 +16,8 @@ docs/torchao.md describes the format and the mapping:
                              asym per-token
                              activations
     MXTensor (mx_formats) MXFP8, MXFP4        MXTensor        the same codes and e8m0 scales (torchao_mx.py)
+    NVFP4Tensor (2-D, plain or swizzled       NVFP4Tensor     bits copied; no per-tensor scale = 1;
+                 e4m3 scales)                                 dynamic NVFP4 activations: act_quant nvfp4
 
 Anything else (another torchao type, another bit width or block shape, asymmetric int8 in
 Int8Tensor, activation pre-scales, static activation scales) is refused with an error that names the tensor
@@ -57,6 +59,7 @@ from ..tensors import Float8Tensor, Int4Tensor, Int8Tensor, IntxTensor
 from ..tensors import intx
 from ..tensors.int4 import GROUP_SIZES
 from .torchao_mx import MX_SPEC, mx_tensor
+from . import torchao_nvfp4
 from .torchao_format import (
     FLOAT8_DTYPES,
     FLOAT_DTYPES,
@@ -418,6 +421,7 @@ _CONVERTERS: dict[str, tuple[Spec, Callable]] = {
         _intx_tensor,
     ),
     "MXTensor": (MX_SPEC, mx_tensor),
+    "NVFP4Tensor": (torchao_nvfp4.SPEC, torchao_nvfp4.convert_nvfp4),
 }
 # torchao types its safetensors support writes that have no hf_aoq equivalent.
 _UNSUPPORTED = {
@@ -425,7 +429,6 @@ _UNSUPPORTED = {
                                 "Int4WeightOnlyConfig(int4_packing_format='plain'))",
     "Int4PlainInt32Tensor": "int4 packed in int32 for XPU/NPU kernels",
     "Int4PreshuffledTensor": "int4 preshuffled for mslk's kernels",
-    "NVFP4Tensor": "NVFP4",
 }
 
 

@@ -36,7 +36,8 @@ INT_DTYPES = {f"int{b}": b for b in range(1, 9)}  # torch.int1 .. torch.int8 -> 
 MX_ELEMENT_DTYPES = {"float4_e2m1fn_x2": torch.float4_e2m1fn_x2}  # MXTensor's elem_dtype, besides float8
 _OBJECT_TYPES = frozenset(
     {"PerRow", "PerTensor", "PerGroup", "PerAxis", "Float8MMConfig", "QuantizeTensorToFloat8Kwargs",
-     "QuantizeTensorToInt8Kwargs", "QuantizeTensorToMXKwargs", "NoSwizzle", "Swizzle_32_4_4"}
+     "QuantizeTensorToInt8Kwargs", "QuantizeTensorToMXKwargs", "NoSwizzle", "Swizzle_32_4_4",
+     "QuantizeTensorToNVFP4Kwargs"}
 )
 _ENUM_TYPES = {
     "MappingType": frozenset({"SYMMETRIC", "ASYMMETRIC", "SYMMETRIC_NO_CLIPPING_ERR"}),
@@ -47,6 +48,8 @@ _ENUM_TYPES = {
     # MXTensor (mx_formats): how activation scales are chosen, and the older name of KernelPreference.
     "ScaleCalculationMode": frozenset({"FLOOR", "RCEIL", "CEIL", "EVEN"}),
     "MXGemmKernelChoice": frozenset({"EMULATED", "CUTLASS", "CUBLAS"}),
+    # NVFP4Tensor's quantization kernel (torchao's NVFP4QuantizeKernelChoice): no effect on the values.
+    "NVFP4QuantizeKernelChoice": frozenset({"TORCH", "TRITON", "FLASHINFER", "MSLK"}),
 }
 
 

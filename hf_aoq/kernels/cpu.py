@@ -425,5 +425,7 @@ def int4dq_ext_linear(x, w, bias):
 from . import cpu_gemm  # noqa: E402,F401
 # MXFP4 weight-only at few rows (csrc/mx.cpp).
 from . import cpu_mx  # noqa: E402,F401
+# NVFP4 weight-only at few rows (csrc/nvfp4.cpp).
+from . import cpu_nvfp4  # noqa: E402,F401
 # IntxTensor (1-8 bit codes) at any rows (csrc/intx.cpp).
 from . import cpu_intx  # noqa: E402,F401

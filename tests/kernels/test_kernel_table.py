@@ -45,6 +45,8 @@ TABLE = [
     ("embedding", "IntxTensor", "canonical", "reference"),
     ("embedding", "MXTensor", "canonical", "rowgather"),
     ("embedding", "MXTensor", "canonical", "reference"),
+    ("embedding", "NVFP4Tensor", "canonical", "rowgather"),
+    ("embedding", "NVFP4Tensor", "canonical", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_amx_gemm"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm_rowwise"),
@@ -84,6 +86,8 @@ TABLE = [
     ("linear", "IntxTensor", "canonical", "reference"),
     ("linear", "MXTensor", "canonical", "cpu_mxfp4_gemv"),
     ("linear", "MXTensor", "canonical", "reference"),
+    ("linear", "NVFP4Tensor", "canonical", "cpu_nvfp4_gemv"),
+    ("linear", "NVFP4Tensor", "canonical", "reference"),
 ]
 
 

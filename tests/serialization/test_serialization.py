@@ -223,6 +223,9 @@ def test_enum_allow_lists_match_the_tensor_types():
     assert registry.ENUMS["Float8Tensor.act_quant"] == set(float8.ACT_QUANTS) - {None}
     assert registry.ENUMS["Int4Tensor.packing"] == frozenset()  # only canonical tensors are saved
     assert registry.ENUMS["Int4DQTensor.packing"] == frozenset()
+    from hf_aoq.tensors import nvfp4
+
+    assert registry.ENUMS["NVFP4Tensor.act_quant"] == set(nvfp4.ACT_QUANT)
 
 
 # ---------------------------------------------------------------------- refusals when saving

@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor, MXTensor
+from hf_aoq import AOQTensor, Float8Tensor, FormatError, Int4Tensor, Int8Tensor, MXTensor, NVFP4Tensor
 from hf_aoq import serialization as S
 from hf_aoq.core import registry
 
@@ -58,7 +58,7 @@ def test_fixtures_are_never_regenerated():
     schemas get new fixtures next to these; see docs/format.md."""
     assert sorted(MANIFESTS) == ["manifest.act_variants.json", "manifest.int4dq.json", "manifest.intx.json",
                                  "manifest.intx_asym_act.json", "manifest.json", "manifest.mx.json",
-                                 "manifest.mx3d.json", "manifest.partial_groups.json"]
+                                 "manifest.mx3d.json", "manifest.nvfp4.json", "manifest.partial_groups.json"]
     for file, info in MANIFEST["files"].items():
         for name, digest in ((file, info["sha256"]), (info["expected"], info["expected_sha256"])):
             assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == digest, name
@@ -152,7 +152,7 @@ def later_release(base: type[AOQTensor]) -> type[AOQTensor]:
     )
 
 
-@pytest.fixture(params=[Int4Tensor, Int8Tensor, Float8Tensor, MXTensor], ids=lambda c: c.__name__)
+@pytest.fixture(params=[Int4Tensor, Int8Tensor, Float8Tensor, MXTensor, NVFP4Tensor], ids=lambda c: c.__name__)
 def grown(request, monkeypatch):
     base = request.param
     cls = later_release(base)

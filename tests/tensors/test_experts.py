@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import AOQError, FormatError, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, serialization
+from hf_aoq import AOQError, FormatError, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, NVFP4Tensor, serialization
 from hf_aoq.core.granularity import PerTensor
 from hf_aoq.tensors.experts import TransposedExperts, expert
 
@@ -20,6 +20,7 @@ SCHEMES = {
     "fp8": lambda w: Float8Tensor.from_float(w),
     "fp8_per_tensor": lambda w: Float8Tensor.from_float(w, granularity=PerTensor()),
     "mxfp4": lambda w: MXTensor.from_float(w, torch.float4_e2m1fn_x2),
+    "nvfp4": lambda w: NVFP4Tensor.from_float(w),
 }
 
 
@@ -45,7 +46,7 @@ def test_each_expert_is_quantized_as_a_2d_weight_in_one_tensor(scheme):
         for name, field in one.tensor_fields().items():
             stacked = t.tensor_fields()[name]
             assert stacked.shape == (E, *field.shape), name  # one tensor per field, experts first
-            assert torch.equal(stacked[e].view(torch.uint8), field.view(torch.uint8)), name
+            assert torch.equal(stacked[e].reshape(-1).view(torch.uint8), field.reshape(-1).view(torch.uint8)), name
         assert torch.equal(t.dequantize()[e], one.dequantize())
         assert torch.equal(t[e].dequantize(), one.dequantize())
 

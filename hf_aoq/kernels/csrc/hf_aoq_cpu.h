@@ -43,6 +43,10 @@ torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t s
 torch::Tensor mxfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t k,
                               c10::optional<torch::Tensor> bias);
 
+// nvfp4.cpp: NVFP4Tensor, weight-only, F.linear in one call.
+torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale,
+                              torch::Tensor per_tensor_scale, int64_t k, c10::optional<torch::Tensor> bias);
+
 // intx.cpp: IntxTensor (1-8 bit codes, canonical bit streams), F.linear in one call.
 torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                              int64_t bits, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
