@@ -45,6 +45,8 @@ SCHEMES = {
                  "runs: 4.125 bits/weight",
     "fp8-static": "float8 e4m3 weights (a scale per tensor) x activations quantized to float8 with a fixed scale "
                   "per layer that --calibration FILE chooses (required): 8.0 bits/weight",
+    "fp6": "6-bit floats (FPx e3m2: sign, 3 exponent, 2 mantissa bits; torchao's FPXWeightOnlyConfig), bit-packed, "
+           "a scale per row: about 6.0 bits/weight",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())

@@ -233,3 +233,107 @@ def test_embedding_rows_and_slices():
     assert torch.equal(torch.nn.functional.embedding(idx, t), torch.nn.functional.embedding(idx, d))
     assert torch.equal(t[2:5].dequantize(), d[2:5])
     assert torch.equal(t[:, 3:30].dequantize(), d[:, 3:30])  # 3 * 5 bits: codes repacked
+
+
+# ---------------------------------------------------------------------- everywhere the other types go
+def tiny_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(80, 96), torch.nn.ReLU(), torch.nn.Linear(96, 35)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", [FPXWeightOnlyConfig(), FPXWeightOnlyConfig(2, 2), FPXWeightOnlyConfig(2, 1)],
+                         ids=lambda c: f"e{c.ebits}m{c.mbits}")
+def test_quantize_save_reload_and_compile(config, tmp_path):
+    import torch.nn.functional as F
+
+    from hf_aoq import quantize_, serialization
+
+    m = tiny_mlp()
+    x = torch.randn(5, 80, dtype=torch.bfloat16)
+    quantize_(m, config)
+    assert all(isinstance(m[i].weight, FPxTensor) for i in (0, 2))
+    eager = m(x)
+    w0 = m[0].weight
+    # The C++ row where it runs (else the reference, exactly this) agrees within bf16 rounding.
+    torch.testing.assert_close(m[0](x), F.linear(x, w0.dequantize(), m[0].bias), rtol=2e-2, atol=2e-2)
+    path = tmp_path / "m.safetensors"
+    serialization.save_file(m.state_dict(), str(path))
+    sd = serialization.load_file(str(path))
+    for name in ("0.weight", "2.weight"):
+        a, b = m.state_dict()[name], sd[name]
+        assert isinstance(b, FPxTensor) and a.attributes() == b.attributes()
+        for f, t in a.tensor_fields().items():
+            assert torch.equal(t, getattr(b, f)), f
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="inductor", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), eager)
+
+
+def test_fqn_to_config_mixes_fpx_with_other_schemes():
+    import hf_aoq
+
+    m = tiny_mlp()
+    hf_aoq.quantize_(m, hf_aoq.FqnToConfig({"0": config_for_scheme("fp6"), "_default": FPXWeightOnlyConfig(3, 1)}))
+    assert isinstance(m[0].weight, FPxTensor) and (m[0].weight.ebits, m[0].weight.mbits) == (3, 2)
+    assert isinstance(m[2].weight, FPxTensor) and (m[2].weight.ebits, m[2].weight.mbits) == (3, 1)
+
+
+def test_from_pretrained_quantizes_on_load_and_reloads_bit_exact(tiny_llama_dir, tmp_path):
+    import hf_aoq
+    from transformers import AutoModelForCausalLM
+
+    config = hf_aoq.AOQConfig(quant_type=FPXWeightOnlyConfig(2, 3))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert isinstance(w, FPxTensor) and (w.ebits, w.mbits) == (2, 3)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    logits = model(ids).logits
+    model.save_pretrained(tmp_path / "fpx")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "fpx")
+    w2 = again.model.layers[0].mlp.up_proj.weight
+    assert isinstance(w2, FPxTensor) and torch.equal(w2.qdata, w.qdata) and torch.equal(w2.scale, w.scale)
+    assert w2.attributes() == w.attributes()
+    assert torch.equal(again(ids).logits, logits)
+
+
+def test_cli_quantize_and_inspect(tiny_llama_dir, tmp_path, capsys):
+    import re
+
+    from hf_aoq import cli
+
+    out = tmp_path / "fp6"
+    assert cli.main(["quantize", str(tiny_llama_dir), "--scheme", "fp6", "--out", str(out)]) == 0
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^model.layers.0.mlp.up_proj.weight\s+fp6 e3m2 per-row\s+256x128\s", text, re.M), text
+    assert text.rstrip().endswith("every tensor loads: yes")
+    assert "fp6 e3m2 per-row" in (out / "README.md").read_text()
+
+
+def test_the_v1_fixture_loads_and_decodes_as_the_format_says():
+    """tests/fixtures/v1_fpx.safetensors (scripts/make_fixtures.py, manifest.fpx.json): every
+    format loads, and its bits decode, by the reference above, to the stored answers."""
+    from pathlib import Path
+
+    import safetensors.torch
+
+    from hf_aoq import serialization
+
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    loaded = serialization.load_file(str(fixtures / "v1_fpx.safetensors"))
+    expected = safetensors.torch.load_file(fixtures / "v1_fpx.expected.safetensors")
+    quantized = {n: t for n, t in loaded.items() if isinstance(t, FPxTensor)}
+    assert sorted((t.ebits, t.mbits) for t in quantized.values()) == sorted(FORMATS + ((3, 2),))
+    for name, t in quantized.items():
+        n, k = t.shape
+        bits = 1 + t.ebits + t.mbits
+        for r in range(n):
+            data = t.qdata[r].tolist()
+            codes = [sum(((data[(c * bits + j) // 8] >> ((c * bits + j) % 8)) & 1) << j for j in range(bits))
+                     for c in range(k)]
+            s = t.scale[r, 0].item()
+            want = torch.tensor([f32(ref_value(c, t.ebits, t.mbits) * s) for c in codes]).to(t.dtype)
+            assert torch.equal(want, expected[f"{name}.dequantized"][r]), (name, r)
+    special = quantized["e3m2_special_f16"]
+    assert special.scale[1, 0].item() == 2.0 ** -24 and special.codes()[2, :2].tolist() == [32, 32]  # -0, -0

@@ -1,0 +1,83 @@
+"""hf_aoq's CPU kernels for FPxTensor (sub-byte floats in the canonical bit streams, a scale per
+row; csrc/fpx.cpp).
+
+Few rows (up to FPX_GEMV_MAX_ROWS): a float32 GEMV that decodes 16 codes at a time by a table
+lookup in registers (the table holds the 2^(b-1) magnitudes; the sign is the code's top bit), so
+it reads b/8 bytes per weight, and multiplies each row's sum by its scale. More rows: the weight
+dequantized exactly in float32 chunks and a float32 GEMM, in the same C++ call; with bf16
+activations on CPUs where aten's bf16 GEMM runs on AMX, the weight dequantized to bf16 (bit for
+bit the reference's) and aten's GEMM, as the int4/int8/Intx AMX rows do.
+
+Eager and compiled calls run the same C++ entry points, through `OpaqueOp`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_ext
+from .common import FLOATS
+from .cpu import CPU_EXT, _in_features, _linear_out
+from .cpu_gemm import BF16_GEMM_AMX, HALF, _rows
+from .registry import opaque_op, register_kernel
+
+# GEMV up to this many rows (measured: see FPX_MEASURED below).
+FPX_GEMV_MAX_ROWS = 64
+FPX_AMX_MIN_ROWS = FPX_GEMV_MAX_ROWS + 1
+
+
+@opaque_op("fpx_linear_io_cpu", _linear_out)
+def fpx_linear_io(
+    x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, ebits: int, mbits: int, k: int,
+    bias: Optional[torch.Tensor],
+) -> torch.Tensor:
+    # Inference kernels, as every C++ row: no autograd graph.
+    with torch.no_grad():
+        return cpu_ext.load().fpx_linear_io(x, qdata, scale, ebits, mbits, k, bias, FPX_GEMV_MAX_ROWS)
+
+
+def _dequantize_fake(qdata, scale, ebits, mbits, k, dtype):
+    return qdata.new_empty((qdata.shape[0], k), dtype=dtype)
+
+
+@opaque_op("fpx_dequantize_cpu", _dequantize_fake)
+def fpx_dequantize(qdata: torch.Tensor, scale: torch.Tensor, ebits: int, mbits: int, k: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, k] in dtype, bit for bit the reference's dequantize(dtype)."""
+    return cpu_ext.load().fpx_dequantize(qdata, scale, ebits, mbits, k, dtype)
+
+
+def _fields_fit(w) -> bool:
+    """The canonical 2-D layout the C++ reads: contiguous uint8 codes, a float scale per row."""
+    return (
+        w.qdata.ndim == 2
+        and w.qdata.dtype == torch.uint8
+        and w.qdata.is_contiguous()
+        and w.scale.is_contiguous()
+        and w.scale.dtype in FLOATS
+    )
+
+
+def _fpx_applies(x, w) -> bool:
+    return x.dtype in FLOATS and _fields_fit(w)
+
+
+@register_kernel("linear", "FPxTensor", "cpu_fpx_ext", backend="cpu", priority=20, device="cpu", needs=(CPU_EXT,),
+                 when=_fpx_applies)
+def fpx_cpu_linear(x, w, bias):
+    """The table-lookup GEMV at few rows, float32 dequantize + GEMM above (csrc/fpx.cpp)."""
+    return fpx_linear_io(x, w.qdata, w.scale, w.ebits, w.mbits, _in_features(w), bias)
+
+
+def _fpx_amx_applies(x, w) -> bool:
+    return x.dtype in HALF and _rows(x) >= FPX_AMX_MIN_ROWS and _fields_fit(w)
+
+
+@register_kernel("linear", "FPxTensor", "cpu_fpx_amx_gemm", backend="cpu", priority=30, device="cpu",
+                 needs=(CPU_EXT, BF16_GEMM_AMX), when=_fpx_amx_applies)
+def fpx_amx_linear(x, w, bias):
+    """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
+    weight = fpx_dequantize(w.qdata, w.scale, w.ebits, w.mbits, _in_features(w), x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
