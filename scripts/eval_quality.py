@@ -84,6 +84,11 @@ def hf_aoq_options(calibration):
         m, MX(activation_dtype=E4M3, weight_dtype=FP4), not_lm_head
     )
     yield "hf_aoq mxfp4 weight-only", lambda m: hf_aoq.quantize_(m, MX(activation_dtype=None, weight_dtype=FP4), not_lm_head)
+    # FPx (FPxTensor, torchao's FPXWeightOnlyConfig): sub-byte floats with a scale per row; fp6 e3m2
+    # is the scheme fp6.
+    for e, m in hf_aoq.tensors.fpx.FORMATS:
+        yield f"hf_aoq fpx fp{1 + e + m} e{e}m{m}", lambda mod, e=e, m=m: hf_aoq.quantize_(
+            mod, hf_aoq.FPXWeightOnlyConfig(e, m), not_lm_head)
     # Intx (IntxTensor, bit-packed): the schemes int2, int3, int5, int6 (symmetric, "mse"
     # scales) and int4 in the same type, at groups of 32 and 128; and int8 per-token activations.
     Ix, Ix8 = hf_aoq.IntxWeightOnlyConfig, hf_aoq.Int8DynamicActivationIntxWeightConfig
