@@ -226,3 +226,50 @@ def test_without_the_extension_the_reference_runs_eager_and_compiled():
     env = dict(os.environ, HF_AOQ_NO_CPU_EXT="1", OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.run([sys.executable, "-c", NO_EXT], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------- the two builds
+OUTPUTS = """
+import json, sys, torch
+from safetensors.torch import save_file
+sys.path.insert(0, sys.argv[2])
+from test_fpx_kernels import make_weight, run
+from hf_aoq.kernels import cpu_ext
+from hf_aoq.tensors.fpx import FORMATS
+out = {}
+for fmt in FORMATS:
+    w = make_weight(37, 1000, fmt, torch.bfloat16, seed=sum(fmt))
+    for rows in (1, 2, 5, 64):
+        x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        out[f"{fmt} {rows}"] = run(x, w).contiguous()
+save_file(out, sys.argv[1])
+print("RESULT " + json.dumps({"isa": cpu_ext.chosen_isa(), "file": cpu_ext.load().__file__}))
+"""
+
+
+def _outputs(tmp, isa_env):
+    import json
+
+    from safetensors.torch import load_file
+
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env.pop("HF_AOQ_CPU_ISA", None)
+    if isa_env:
+        env["HF_AOQ_CPU_ISA"] = isa_env
+    path = tmp / f"{isa_env}.safetensors"
+    proc = subprocess.run([sys.executable, "-c", OUTPUTS, str(path), os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("RESULT ")), load_file(path)
+
+
+@pytest.mark.slow  # builds the AVX2 binary if this machine has not yet (minutes)
+@needs_ext
+def test_avx512_build_gives_the_avx2_builds_outputs(tmp_path):
+    if cpu_ext.chosen_isa() != "avx512":
+        pytest.skip("this CPU does not allow the AVX-512 build; only AVX2 runs here")
+    avx2, out2 = _outputs(tmp_path, "avx2")
+    avx512, out512 = _outputs(tmp_path, "avx512")
+    assert avx2["isa"] == "avx2" and avx512["isa"] == "avx512" and avx2["file"] != avx512["file"]
+    for key in out2:
+        assert torch.equal(out2[key], out512[key]), key

@@ -162,18 +162,20 @@ struct Decode16 {
 #endif
 };
 
-// Calls f(step, pointer to the step's bytes) for each of `steps` steps of one row; the last steps,
-// whose kRead-byte loads would pass the row's end, read a zero-padded copy.
-template <int B, class F>
-inline void for_steps(const uint8_t* row, int64_t row_bytes, int64_t steps, const F& f) {
+// Calls pair(s, p) for steps s, s + 1 (s even) and one(s, p) for single steps, p pointing to step
+// s's bytes, over `steps` steps of one row; the last steps, whose kRead-byte loads would pass the
+// row's end, read a zero-padded copy. (Pairs keep two accumulators in registers: indexing them by
+// a step's parity at run time would put them in memory.)
+template <int B, class Pair, class One>
+inline void for_steps(const uint8_t* row, int64_t row_bytes, int64_t steps, const Pair& pair, const One& one) {
   constexpr int64_t bytes = 2 * B;
   const int64_t safe = std::min(steps, row_bytes >= kRead ? (row_bytes - kRead) / bytes + 1 : int64_t(0));
   int64_t s = 0;
-  for (; s < safe; ++s) f(s, row + s * bytes);
+  for (; s + 2 <= safe; s += 2) pair(s, row + s * bytes);
   if (s < steps) {
-    alignas(64) uint8_t tail[64] = {0};
+    alignas(64) uint8_t tail[128] = {0};  // < kRead + bytes left, read by at most 5 steps
     std::memcpy(tail, row + s * bytes, size_t(row_bytes - s * bytes));
-    for (int64_t t = 0; s < steps; ++s, ++t) f(s, tail + t * bytes);
+    for (int64_t t = 0; s < steps; ++s, ++t) one(s, tail + t * bytes);
   }
 }
 
@@ -190,10 +192,24 @@ inline void row_dots(const Decode16<B>& dec, const uint8_t* row, int64_t row_byt
                      int64_t ldx, float* d) {
   vfloat acc[MB][2];
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = vzero();
-  for_steps<B>(row, row_bytes, steps, [&](int64_t s, const uint8_t* p) {
-    const vfloat w = dec(p);
-    for (int i = 0; i < MB; ++i) acc[i][s & 1] = vfma(vload(xp + i * ldx + s * kStep), w, acc[i][s & 1]);
-  });
+  for_steps<B>(
+      row, row_bytes, steps,
+      [&](int64_t s, const uint8_t* p) {
+        const vfloat w0 = dec(p), w1 = dec(p + 2 * B);
+        for (int i = 0; i < MB; ++i) {
+          acc[i][0] = vfma(vload(xp + i * ldx + s * kStep), w0, acc[i][0]);
+          acc[i][1] = vfma(vload(xp + i * ldx + (s + 1) * kStep), w1, acc[i][1]);
+        }
+      },
+      [&](int64_t s, const uint8_t* p) {
+        const vfloat w = dec(p);
+        for (int i = 0; i < MB; ++i) {
+          if (s & 1)
+            acc[i][1] = vfma(vload(xp + i * ldx + s * kStep), w, acc[i][1]);
+          else
+            acc[i][0] = vfma(vload(xp + i * ldx + s * kStep), w, acc[i][0]);
+        }
+      });
   for (int i = 0; i < MB; ++i) d[i] = vsum(vadd(acc[i][0], acc[i][1]));
 }
 
@@ -220,15 +236,29 @@ void fpx_gemv(const FpxWeight& w, const float* xp, int64_t M, int64_t steps, flo
         continue;
       }
       // Decode the row once; every tile of activation rows reads it (the same sums as above).
-      for_steps<B>(row, w.row_bytes, steps, [&](int64_t st, const uint8_t* p) { vstore(wbuf.data() + st * kStep, dec(p)); });
+      float* wb = wbuf.data();
+      for_steps<B>(
+          row, w.row_bytes, steps,
+          [&](int64_t st, const uint8_t* p) {
+            vstore(wb + st * kStep, dec(p));
+            vstore(wb + (st + 1) * kStep, dec(p + 2 * B));
+          },
+          [&](int64_t st, const uint8_t* p) { vstore(wb + st * kStep, dec(p)); });
       for (int64_t m0 = 0; m0 < M; m0 += kFpxTile) {
         const int mb = static_cast<int>(std::min<int64_t>(kFpxTile, M - m0));
         vfloat acc[kFpxTile][2];
         for (int i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = vzero();
-        for (int64_t st = 0; st < steps; ++st) {
-          const vfloat wv = vload(wbuf.data() + st * kStep);
-          for (int i = 0; i < mb; ++i)
-            acc[i][st & 1] = vfma(vload(xp + (m0 + i) * ldx + st * kStep), wv, acc[i][st & 1]);
+        int64_t st = 0;
+        for (; st + 2 <= steps; st += 2) {
+          const vfloat w0 = vload(wb + st * kStep), w1 = vload(wb + (st + 1) * kStep);
+          for (int i = 0; i < mb; ++i) {
+            acc[i][0] = vfma(vload(xp + (m0 + i) * ldx + st * kStep), w0, acc[i][0]);
+            acc[i][1] = vfma(vload(xp + (m0 + i) * ldx + (st + 1) * kStep), w1, acc[i][1]);
+          }
+        }
+        if (st < steps) {
+          const vfloat w0 = vload(wb + st * kStep);
+          for (int i = 0; i < mb; ++i) acc[i][0] = vfma(vload(xp + (m0 + i) * ldx + st * kStep), w0, acc[i][0]);
         }
         for (int i = 0; i < mb; ++i) y[(m0 + i) * w.N + n] = vsum(vadd(acc[i][0], acc[i][1])) * s;
       }
@@ -249,7 +279,7 @@ struct FpxRows {
     for (int64_t n = n0; n < n1; ++n) {
       const float s = scale_of(w.scale, w.dtype, n);
       float* o = buf + (n - n0) * K;
-      for_steps<B>(w.q + n * w.row_bytes, w.row_bytes, steps, [&](int64_t st, const uint8_t* p) {
+      const auto one = [&](int64_t st, const uint8_t* p) {
         const vfloat v = vscale(dec(p), s);
         if ((st + 1) * kStep <= K) {
           vstore(o + st * kStep, v);
@@ -258,7 +288,14 @@ struct FpxRows {
           vstore(part, v);
           std::memcpy(o + st * kStep, part, sizeof(float) * size_t(K - st * kStep));
         }
-      });
+      };
+      for_steps<B>(
+          w.q + n * w.row_bytes, w.row_bytes, steps,
+          [&](int64_t st, const uint8_t* p) {  // both steps are whole: pairs end before a partial step
+            vstore(o + st * kStep, vscale(dec(p), s));
+            vstore(o + (st + 1) * kStep, vscale(dec(p + 2 * B), s));
+          },
+          one);
     }
 #else
     for (int64_t n = n0; n < n1; ++n) {
