@@ -1,7 +1,7 @@
 """hf_aoq's CPU kernels for FPxTensor (sub-byte floats in the canonical bit streams, a scale per
 row; csrc/fpx.cpp).
 
-Few rows (up to FPX_GEMV_MAX_ROWS): a float32 GEMV that decodes 16 codes at a time by a table
+Few rows (up to FPX_GEMV_MAX_ROWS, one register tile): a float32 GEMV that decodes 16 codes at a time by a table
 lookup in registers (the table holds the 2^(b-1) magnitudes; the sign is the code's top bit), so
 it reads b/8 bytes per weight, and multiplies each row's sum by its scale. More rows: the weight
 dequantized exactly in float32 chunks and a float32 GEMM, in the same C++ call; with bf16
@@ -23,9 +23,18 @@ from .cpu import CPU_EXT, _in_features, _linear_out
 from .cpu_gemm import BF16_GEMM_AMX, HALF, _rows
 from .registry import opaque_op, register_kernel
 
-# GEMV up to this many rows (measured: see FPX_MEASURED below).
-FPX_GEMV_MAX_ROWS = 64
-FPX_AMX_MIN_ROWS = FPX_GEMV_MAX_ROWS + 1
+# Measured on the AVX-512 Xeon VM (2048x5632, fp6 e3m2, bf16 activations, 1 thread, best of 15
+# interleaved rounds, load ~15 from other jobs): the GEMV 1.11 / 1.24 / 1.47 / 1.61 ms at 1-4 rows
+# (one register tile) against dequantize + float32 GEMM 2.39 / 2.16 / 2.31 / 2.54; at 5-8 rows an
+# earlier GEMV that read a decoded row from a buffer lost (3.2-9.4 against 2.7-3.3 ms). Above one
+# tile the row is decoded once per tile, so the GEMV stops at one AVX-512 tile. AVX2 not measured.
+FPX_GEMV_MAX_ROWS = 4
+# bf16 activations on AMX CPUs: dequantize to bf16 + aten's GEMM from this many rows (same run:
+# 24.8 / 26.8 / 27.1 ms at 64 / 96 / 128 rows against float32 dequantize + GEMM's 43.9 / 53.7 /
+# 66.4; at 8-32 rows it lost, 20-24 against 3.3-20.9).
+FPX_AMX_MIN_ROWS = 64
+# Batch 1 against int4 g32 (Int4Tensor, hf_aoq's int16-code kernel through F.linear) and dense bf16,
+# same machine: see the README's CPU kernel section (scripts/bench_kernels.py --rows 1 --threads 1).
 
 
 @opaque_op("fpx_linear_io_cpu", _linear_out)

@@ -3,7 +3,8 @@ reference, on fields built here: random codes of every format packed bit by bit 
 canonical stream (column k at stream bits [k*b, (k+1)*b), stream bit i = bit i % 8 of byte i // 8),
 w = value(code) * scale with value from the definition (sign, ebits exponent bits with bias
 2^(ebits-1) - 1 and subnormals, mbits mantissa bits). Rows 1..64 (the GEMV: in registers up to a
-tile, from a decoded row above) and 65 (dequantize + GEMM), K tails, the three activation dtypes,
+tile, several tiles above, called directly) and the table's call (the GEMV up to one tile, dequantize
++ GEMM above), K tails, the three activation dtypes,
 bias; eager and torch.compile; with and without the extension (HF_AOQ_NO_CPU_EXT=1).
 
 The GEMV decodes the weight exactly and sums in float32: tolerances are float32 accumulation
@@ -57,7 +58,13 @@ def dense64(w) -> torch.Tensor:
 
 
 def run(x, w, bias=None):
+    """The table row's call: the GEMV up to FPX_GEMV_MAX_ROWS rows, dequantize + GEMM above."""
     return cpu_fpx.fpx_linear_io(x, w.qdata, w.scale, w.ebits, w.mbits, w.shape[1], bias)
+
+
+def run_gemv(x, w, bias=None):
+    """The GEMV at any number of rows (tiles of activation rows, each decoding the weight again)."""
+    return cpu_ext.load().fpx_linear_io(x, w.qdata, w.scale, w.ebits, w.mbits, w.shape[1], bias, 1 << 30)
 
 
 def assert_close(y, x, w, bias=None):
@@ -71,7 +78,7 @@ def assert_close(y, x, w, bias=None):
     assert (err <= tol).all(), f"max error {(err / (bound + 1e-30)).max():.3g} of sum |x||w|"
 
 
-ROWS = list(range(1, 9)) + [15, 16, 17, 31, 33, 48, 63, 64, 65]
+ROWS = list(range(1, 9)) + [15, 16, 17, 31, 33, 48, 63, 64, 65]  # 1..64 and one past
 KS = [1, 5, 16, 37, 64, 100, 333, 1024]
 
 
@@ -83,6 +90,7 @@ def test_every_format_rows_and_k_tails_against_float64(fmt):
         for rows in ROWS:
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
             assert_close(run(x, w), x, w)
+            assert_close(run_gemv(x, w), x, w)
 
 
 @needs_ext
@@ -94,11 +102,12 @@ def test_gemv_decodes_every_code_exactly(fmt):
     w = make_weight(23, k, fmt, seed=3)
     assert len(w.codes.unique()) == 2 ** (1 + sum(fmt))
     want = dense64(w).float().t()
-    for rows in (1, 3, 4, 40, cpu_fpx.FPX_GEMV_MAX_ROWS):  # in registers, from a decoded row
+    for rows in (1, 3, 4, 5, 40, 64):  # one tile, several tiles (and dequantize + GEMM for run)
         for k0 in range(0, k, rows):
             cols = torch.arange(k0, min(k, k0 + rows))
             x = torch.zeros(len(cols), k)
             x[torch.arange(len(cols)), cols] = 1.0
+            assert torch.equal(run_gemv(x, w), want[cols]), (rows, k0)
             assert torch.equal(run(x, w), want[cols]), (rows, k0)
 
 
@@ -112,16 +121,18 @@ def test_dtypes_rows_and_bias(dtype, rows):
         bias = torch.randn(21).to(dtype)
         assert_close(run(x, w, bias), x, w, bias)
         assert_close(run(x, w), x, w)
+        assert_close(run_gemv(x, w, bias), x, w, bias)
 
 
 @needs_ext
 def test_rows_are_independent_of_the_rows_computed_with_them():
     w = make_weight(45, 576, (3, 2), torch.bfloat16)
-    x = torch.randn(cpu_fpx.FPX_GEMV_MAX_ROWS, 576)
-    together = run(x, w)
+    x = torch.randn(64, 576)
+    together = run_gemv(x, w)
     for i in (0, 3, 4, 5, 63):
-        assert torch.equal(run(x[i:i + 1], w)[0], together[i])
-        assert torch.equal(run(x[:5], w)[min(i, 4)], together[min(i, 4)])
+        assert torch.equal(run_gemv(x[i:i + 1], w)[0], together[i])
+        assert torch.equal(run_gemv(x[:5], w)[min(i, 4)], together[min(i, 4)])
+        assert torch.equal(run(x[i:i + 1], w)[0], together[i])  # the table's call at one row
 
 
 @needs_ext
@@ -154,7 +165,7 @@ def test_fpx_tensors_run_the_kernel_and_agree_with_the_reference_kernel(fmt):
     gen = torch.Generator().manual_seed(sum(fmt))
     w = FPxTensor.from_float(torch.randn(40, 333, generator=gen).to(torch.bfloat16), *fmt)
     reference = next(k for k in registry.kernels_for("linear", "FPxTensor") if k.name == "reference")
-    for rows in (1, 7, 64):
+    for rows in (1, 4, 7, 63):  # the GEMV, then float32 dequantize + GEMM (64 and more on AMX: the AMX row)
         x = torch.randn(rows, 333, generator=gen).to(torch.bfloat16)
         assert registry.select_kernel("linear", x, w).name == "cpu_fpx_ext"
         y, ref = F.linear(x, w), reference.fn(x, w, None)
@@ -233,7 +244,7 @@ OUTPUTS = """
 import json, sys, torch
 from safetensors.torch import save_file
 sys.path.insert(0, sys.argv[2])
-from test_fpx_kernels import make_weight, run
+from test_fpx_kernels import make_weight, run_gemv
 from hf_aoq.kernels import cpu_ext
 from hf_aoq.tensors.fpx import FORMATS
 out = {}
@@ -241,7 +252,7 @@ for fmt in FORMATS:
     w = make_weight(37, 1000, fmt, torch.bfloat16, seed=sum(fmt))
     for rows in (1, 2, 5, 64):
         x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).bfloat16()
-        out[f"{fmt} {rows}"] = run(x, w).contiguous()
+        out[f"{fmt} {rows}"] = run_gemv(x, w).contiguous()
 save_file(out, sys.argv[1])
 print("RESULT " + json.dumps({"isa": cpu_ext.chosen_isa(), "file": cpu_ext.load().__file__}))
 """

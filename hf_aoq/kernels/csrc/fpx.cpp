@@ -14,9 +14,8 @@
 // same order (even steps into one accumulator, odd into another), so their outputs are equal bit
 // for bit.
 //
-// Few rows (up to gemv_max_rows): per weight row, the dot products in float32 (one row tile in
-// registers up to kFpxTile activation rows; more rows read the row decoded once into a buffer),
-// times the row's scale. Many rows: chunks of the weight dequantized to float32 exactly as the
+// Few rows (up to gemv_max_rows): per weight row, the dot products in float32, decoded in
+// registers once per tile of kFpxTile activation rows, times the row's scale. Many rows: chunks of the weight dequantized to float32 exactly as the
 // reference (value * scale in float32) and float32 GEMM (dequant_gemm.h); fpx_dequantize gives the
 // weight in bf16/fp16/fp32 for aten's GEMM (kernels/cpu_fpx.py).
 #include <torch/types.h>
@@ -179,6 +178,8 @@ inline void for_steps(const uint8_t* row, int64_t row_bytes, int64_t steps, cons
   }
 }
 
+// Activation rows per register tile (AVX-512 has 32 vector registers, AVX2 16, and a vfloat is two
+// of them there). The tile does not change any output's value.
 #if defined(__AVX512F__)
 constexpr int kFpxTile = 4;
 #else
@@ -218,49 +219,22 @@ void fpx_gemv(const FpxWeight& w, const float* xp, int64_t M, int64_t steps, flo
   const Decode16<B> dec(w.fmt);
   const int64_t ldx = steps * kStep;
   at::parallel_for(0, w.N, 8, [&](int64_t n0, int64_t n1) {
-    std::vector<float> wbuf(M > kFpxTile ? ldx : 0);
     float d[kFpxTile];
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w.q + n * w.row_bytes;
       const float s = scale_of(w.scale, w.dtype, n);
-      if (M <= kFpxTile) {
-        switch (M) {
-#if defined(__AVX512F__)
-          case 4: row_dots<B, 4>(dec, row, w.row_bytes, steps, xp, ldx, d); break;
-          case 3: row_dots<B, 3>(dec, row, w.row_bytes, steps, xp, ldx, d); break;
-          case 2: row_dots<B, 2>(dec, row, w.row_bytes, steps, xp, ldx, d); break;
-#endif
-          default: row_dots<B, 1>(dec, row, w.row_bytes, steps, xp, ldx, d); break;
-        }
-        for (int64_t m = 0; m < M; ++m) y[m * w.N + n] = d[m] * s;
-        continue;
-      }
-      // Decode the row once; every tile of activation rows reads it (the same sums as above).
-      float* wb = wbuf.data();
-      for_steps<B>(
-          row, w.row_bytes, steps,
-          [&](int64_t st, const uint8_t* p) {
-            vstore(wb + st * kStep, dec(p));
-            vstore(wb + (st + 1) * kStep, dec(p + 2 * B));
-          },
-          [&](int64_t st, const uint8_t* p) { vstore(wb + st * kStep, dec(p)); });
-      for (int64_t m0 = 0; m0 < M; m0 += kFpxTile) {
+      for (int64_t m0 = 0; m0 < M; m0 += kFpxTile) {  // the row is decoded once per tile
         const int mb = static_cast<int>(std::min<int64_t>(kFpxTile, M - m0));
-        vfloat acc[kFpxTile][2];
-        for (int i = 0; i < mb; ++i) acc[i][0] = acc[i][1] = vzero();
-        int64_t st = 0;
-        for (; st + 2 <= steps; st += 2) {
-          const vfloat w0 = vload(wb + st * kStep), w1 = vload(wb + (st + 1) * kStep);
-          for (int i = 0; i < mb; ++i) {
-            acc[i][0] = vfma(vload(xp + (m0 + i) * ldx + st * kStep), w0, acc[i][0]);
-            acc[i][1] = vfma(vload(xp + (m0 + i) * ldx + (st + 1) * kStep), w1, acc[i][1]);
-          }
+        const float* xm = xp + m0 * ldx;
+        switch (mb) {
+#if defined(__AVX512F__)
+          case 4: row_dots<B, 4>(dec, row, w.row_bytes, steps, xm, ldx, d); break;
+          case 3: row_dots<B, 3>(dec, row, w.row_bytes, steps, xm, ldx, d); break;
+          case 2: row_dots<B, 2>(dec, row, w.row_bytes, steps, xm, ldx, d); break;
+#endif
+          default: row_dots<B, 1>(dec, row, w.row_bytes, steps, xm, ldx, d); break;
         }
-        if (st < steps) {
-          const vfloat w0 = vload(wb + st * kStep);
-          for (int i = 0; i < mb; ++i) acc[i][0] = vfma(vload(xp + (m0 + i) * ldx + st * kStep), w0, acc[i][0]);
-        }
-        for (int i = 0; i < mb; ++i) y[(m0 + i) * w.N + n] = vsum(vadd(acc[i][0], acc[i][1])) * s;
+        for (int i = 0; i < mb; ++i) y[(m0 + i) * w.N + n] = d[i] * s;
       }
     }
   });
