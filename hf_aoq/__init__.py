@@ -22,6 +22,8 @@ __all__ = [
     "Float8Tensor",
     "Float8WeightOnlyConfig",
     "FormatError",
+    "FPXWeightOnlyConfig",
+    "FPxTensor",
     "FqnToConfig",
     "GemliteUIntXWeightOnlyConfig",
     "Int4DQTensor",

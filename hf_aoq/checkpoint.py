@@ -94,6 +94,8 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
         kind = f"mx {short_dtype(attrs['elem_dtype'])}"
     if entry.type_name == "IntxTensor" and type(attrs.get("bits")) is int:
         kind = f"intx{attrs['bits']}"
+    if entry.type_name == "FPxTensor" and type(attrs.get("ebits")) is int and type(attrs.get("mbits")) is int:
+        kind = f"fp{1 + attrs['ebits'] + attrs['mbits']} e{attrs['ebits']}m{attrs['mbits']}"
     parts = [kind, grain]
     if entry.type_name in ("Int4Tensor", "IntxTensor"):
         parts.append("asym" if "zero" in entry.keys else "sym")

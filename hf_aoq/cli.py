@@ -48,6 +48,8 @@ SCHEMES = {
     "nvfp4": "NVIDIA FP4: e2m1 weights (two per byte) with an e4m3 scale per block of 16 along the input and a "
              "float32 scale per tensor, activations quantized to NVFP4 the same way as the model runs: 4.5 bits/weight",
     "nvfp4-wo": "nvfp4's weights, activations kept as they are (weight-only): 4.5 bits/weight",
+    "fp6": "6-bit floats (FPx e3m2: sign, 3 exponent, 2 mantissa bits; torchao's FPXWeightOnlyConfig), bit-packed, "
+           "a scale per row: about 6.0 bits/weight",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())

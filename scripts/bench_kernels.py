@@ -112,6 +112,11 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
             sb, zb = ((torch.rand(n, -(-k // 32), generator=gen) * 0.01).to(dtype) for _ in range(2))
             out.append((f"hf_aoq intx{bits} g32 asym kernel",
                         lambda qb=qb, sb=sb, zb=zb, bits=bits: cpu_intx.intx_linear(x, qb, sb, zb, bits, 32, k)))
+    from hf_aoq.tensors.fpx import FPxTensor
+
+    for ebits, mbits in ((3, 2), (2, 2), (2, 1)):  # fp6, fp5, fp4 through F.linear (the table's row)
+        qf = FPxTensor.from_float(w.to(dtype), ebits, mbits)
+        out.append((f"hf_aoq fpx e{ebits}m{mbits} F.linear", lambda qf=qf: F.linear(x, qf)))
     if dtype == torch.float16:
         w_fp16 = w.half()
         out.insert(2, ("dense fp16", lambda: F.linear(x, w_fp16)))

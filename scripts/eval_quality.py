@@ -88,6 +88,11 @@ def hf_aoq_options(calibration):
         m, hf_aoq.NVFP4InferenceConfig(), not_lm_head)
     yield "hf_aoq nvfp4 weight-only (`--scheme nvfp4-wo`)", lambda m: hf_aoq.quantize_(
         m, hf_aoq.NVFP4WeightOnlyConfig(), not_lm_head)
+    # FPx (FPxTensor, torchao's FPXWeightOnlyConfig): sub-byte floats with a scale per row; fp6 e3m2
+    # is the scheme fp6.
+    for e, m in hf_aoq.tensors.fpx.FORMATS:
+        yield f"hf_aoq fpx fp{1 + e + m} e{e}m{m}", lambda mod, e=e, m=m: hf_aoq.quantize_(
+            mod, hf_aoq.FPXWeightOnlyConfig(e, m), not_lm_head)
     # Intx (IntxTensor, bit-packed): the schemes int2, int3, int5, int6 (symmetric, "mse"
     # scales) and int4 in the same type, at groups of 32 and 128; and int8 per-token activations.
     Ix, Ix8 = hf_aoq.IntxWeightOnlyConfig, hf_aoq.Int8DynamicActivationIntxWeightConfig

@@ -18,6 +18,7 @@ new capability of a type, adds a generation to `GENERATIONS` below.
                                   experts `hf-aoq convert` makes of transformers' Mxfp4 checkpoints
     manifest.nvfp4.json           NVFP4Tensor (new type: NVIDIA FP4, e4m3 block scales of 16 and a
                                   float32 per-tensor scale; 2-D and 3-D experts), schema version 1
+    manifest.fpx.json             FPxTensor (new type: sub-byte floats, a scale per row), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -50,7 +51,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import (Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, NVFP4Tensor,  # noqa: E402
+from hf_aoq import (FPxTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, NVFP4Tensor,  # noqa: E402
                     PerRow, PerTensor)
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
@@ -278,6 +279,21 @@ def state_dicts_nvfp4() -> dict[str, dict[str, torch.Tensor]]:
             "experts_e3_k48_bf16": NVFP4Tensor.from_float(experts, "nvfp4"),
             # Zero blocks of both signs, tiny blocks whose scale clamps at 2^-6, an ordinary block.
             "special_f32": NVFP4Tensor.from_float(special),
+def state_dicts_fpx() -> dict[str, dict[str, torch.Tensor]]:
+    # An all-zero row, a row of float16's tiniest scale (2^-24), -0 and a negative that rounds to -0.
+    special = torch.cat([torch.zeros(1, 40), torch.full((1, 40), 1e-7), weight(56, 6, 40, F32)])
+    special[2, :3] = torch.tensor([-0.0, -1e-9, 3.0])
+    return {
+        "v1_fpx": {
+            # Every format; rows of K not a multiple of 8 codes (K = 13, 67: a partial last byte).
+            "e3m2_k576_bf16": FPxTensor.from_float(weight(53, 16, 576, BF16), 3, 2),
+            "e2m3_k67_f32": FPxTensor.from_float(weight(54, 8, 67, F32), 2, 3),
+            "e2m2_k64_f16": FPxTensor.from_float(weight(55, 8, 64, F16), 2, 2),
+            "e3m1_k13_bf16": FPxTensor.from_float(weight(57, 8, 13, BF16), 3, 1),
+            "e3m0_k80_bf16": FPxTensor.from_float(weight(58, 8, 80, BF16), 3, 0),
+            "e2m1_k96_f32": FPxTensor.from_float(weight(59, 8, 96, F32), 2, 1),
+            "e3m2_special_f16": FPxTensor.from_float(special.to(F16), 3, 2),
+            "bias": torch.linspace(-1, 1, 16, dtype=BF16),
         },
     }
 
@@ -292,6 +308,7 @@ GENERATIONS = {
     "manifest.intx_asym_act.json": state_dicts_intx_asym_act,
     "manifest.mx3d.json": state_dicts_mx3d,
     "manifest.nvfp4.json": state_dicts_nvfp4,
+    "manifest.fpx.json": state_dicts_fpx,
 }
 
 

@@ -11,6 +11,7 @@ from .float8 import (Float8DynamicActivationFloat8WeightConfig,
                      Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig)
 from .microscaling import (MXDynamicActivationMXWeightConfig, MXFPInferenceConfig, NVFP4InferenceConfig,
                            NVFP4WeightOnlyConfig)
+from .fpx import FPXWeightOnlyConfig
 from .intx import (GemliteUIntXWeightOnlyConfig, INT_DTYPES, INT_DTYPES_BY_BITS,
                    Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig, MAPPING_TYPES,
                    UINT_DTYPES, UIntXWeightOnlyConfig)
@@ -22,7 +23,7 @@ __all__ = [
     'Float8DynamicActivationFloat8WeightConfig', 'Float8StaticActivationFloat8WeightConfig',
     'Int8DynamicActivationInt4WeightConfig', 'Int4DynamicActivationInt4WeightConfig',
     'Float8DynamicActivationInt4WeightConfig', 'MXFPInferenceConfig',
-    'MXDynamicActivationMXWeightConfig', 'NVFP4InferenceConfig', 'NVFP4WeightOnlyConfig', 'INT_DTYPES', 'INT_DTYPES_BY_BITS', 'UINT_DTYPES',
+    'MXDynamicActivationMXWeightConfig', 'NVFP4InferenceConfig', 'NVFP4WeightOnlyConfig', 'FPXWeightOnlyConfig', 'INT_DTYPES', 'INT_DTYPES_BY_BITS', 'UINT_DTYPES',
     'MAPPING_TYPES', 'IntxWeightOnlyConfig', 'Int8DynamicActivationIntxWeightConfig',
     'UIntXWeightOnlyConfig', 'GemliteUIntXWeightOnlyConfig', 'FqnToConfig', 'recipe_to_dict',
     'recipe_from_dict', 'SCHEMES', 'INTX_SCHEME_BITS', 'INTX_DEFAULT_GROUP', 'config_for_scheme'

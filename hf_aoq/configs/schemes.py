@@ -15,13 +15,14 @@ from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyC
                       Int8WeightOnlyConfig)
 from .intx import INT_DTYPES_BY_BITS, Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
 from .microscaling import MXFPInferenceConfig, NVFP4InferenceConfig, NVFP4WeightOnlyConfig
+from .fpx import FPXWeightOnlyConfig
 
 
 # ---------------------------------------------------------------------- schemes by name
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
 SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
            "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
-           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo")
+           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo", "fp6")
 INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
 INTX_DEFAULT_GROUP = 32
 # The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
@@ -47,7 +48,8 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     weights and int8 per-token activations.
     int8-int4, fp8-int4 and int4-int4 are int4 weights (groups of 32, 128 and 128 by default) with
     int8, float8 (e4m3) or int4 activations quantized per token at run time; fp8-static is
-    Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses."""
+    Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses; fp6
+    is FPXWeightOnlyConfig(3, 2): e3m2 weights with a scale per row (no groups)."""
     intx_bits = INTX_SCHEME_BITS.get(scheme.removeprefix("int8-") if scheme.startswith("int8-int") else scheme)
     if intx_bits is not None and scheme in SCHEMES:
         g = INTX_DEFAULT_GROUP if group_size is None else group_size
@@ -84,4 +86,5 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
         "fp8": Float8WeightOnlyConfig,
         "fp8-dyn": Float8DynamicActivationFloat8WeightConfig,
         "fp8-static": Float8StaticActivationFloat8WeightConfig,
+        "fp6": FPXWeightOnlyConfig,
     }[scheme]()

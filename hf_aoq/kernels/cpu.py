@@ -429,3 +429,5 @@ from . import cpu_mx  # noqa: E402,F401
 from . import cpu_nvfp4  # noqa: E402,F401
 # IntxTensor (1-8 bit codes) at any rows (csrc/intx.cpp).
 from . import cpu_intx  # noqa: E402,F401
+# FPxTensor (sub-byte floats) at any rows (csrc/fpx.cpp).
+from . import cpu_fpx  # noqa: E402,F401

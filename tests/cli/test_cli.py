@@ -95,6 +95,7 @@ def test_each_scheme_name_builds_its_config(scheme, tmp_path):
         "fp8-static": hf_aoq.Float8StaticActivationFloat8WeightConfig(scale=None),
         "nvfp4": hf_aoq.NVFP4InferenceConfig(mm_config="dynamic"),
         "nvfp4-wo": hf_aoq.NVFP4WeightOnlyConfig(),
+        "fp6": hf_aoq.FPXWeightOnlyConfig(3, 2),
     }[scheme]
     assert cfg == expected
     if scheme == "fp8-static":  # its scales come from calibration text, which it needs

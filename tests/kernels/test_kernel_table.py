@@ -27,6 +27,8 @@ from hf_aoq.kernels import cpu_ext, registry
 # The whole table, one row per (op, tensor type, packing it reads, kernel), best kernel first for
 # each (op, type, packing). Adding a kernel or a packing adds rows here and nowhere else.
 TABLE = [
+    ("embedding", "FPxTensor", "canonical", "rowgather"),
+    ("embedding", "FPxTensor", "canonical", "reference"),
     ("embedding", "Float8Tensor", "canonical", "rowgather"),
     ("embedding", "Float8Tensor", "canonical", "reference"),
     ("embedding", "Int4DQTensor", "canonical", "rowgather"),
@@ -47,6 +49,9 @@ TABLE = [
     ("embedding", "MXTensor", "canonical", "reference"),
     ("embedding", "NVFP4Tensor", "canonical", "rowgather"),
     ("embedding", "NVFP4Tensor", "canonical", "reference"),
+    ("linear", "FPxTensor", "canonical", "cpu_fpx_amx_gemm"),
+    ("linear", "FPxTensor", "canonical", "cpu_fpx_ext"),
+    ("linear", "FPxTensor", "canonical", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_amx_gemm"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm_rowwise"),

@@ -54,6 +54,12 @@ torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor
 torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t bits,
                               int64_t group_size, int64_t k, torch::ScalarType dtype);
 
+// fpx.cpp: FPxTensor (sub-byte floats, canonical bit streams, a scale per row), F.linear in one call.
+torch::Tensor fpx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t ebits, int64_t mbits,
+                            int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
+torch::Tensor fpx_dequantize(torch::Tensor qdata, torch::Tensor scale, int64_t ebits, int64_t mbits, int64_t k,
+                             torch::ScalarType dtype);
+
 // linear_io.cpp: F.linear(x, weight, bias) per format in one call.
 torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                                  int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
