@@ -9,7 +9,8 @@ from ..core.errors import AOQError
 from ..core.granularity import PerGroup
 from ..tensors import intx, mx
 from .recipe import AOQBaseConfig
-from .float8 import Float8DynamicActivationFloat8WeightConfig, Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig
+from .float8 import (Float8DynamicActivationFloat8SemiSparseWeightConfig, Float8DynamicActivationFloat8WeightConfig,
+                     Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig)
 from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyConfig, Int4DynamicActivationInt4WeightConfig,
                       Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig,
                       Int8WeightOnlyConfig)
@@ -21,7 +22,7 @@ from .microscaling import MXFPInferenceConfig
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
 SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
            "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
-           "int8-int4", "fp8-int4", "int4-int4", "fp8-static")
+           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "fp8-sparse")
 INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
 INTX_DEFAULT_GROUP = 32
 # The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
@@ -45,7 +46,9 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     weights and int8 per-token activations.
     int8-int4, fp8-int4 and int4-int4 are int4 weights (groups of 32, 128 and 128 by default) with
     int8, float8 (e4m3) or int4 activations quantized per token at run time; fp8-static is
-    Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses."""
+    Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses;
+    fp8-sparse is Float8DynamicActivationFloat8SemiSparseWeightConfig with e4m3 activations (2:4
+    sparse e4m3 weights, per-token activations as fp8-dyn's; torchao's default is e5m2)."""
     intx_bits = INTX_SCHEME_BITS.get(scheme.removeprefix("int8-") if scheme.startswith("int8-int") else scheme)
     if intx_bits is not None and scheme in SCHEMES:
         g = INTX_DEFAULT_GROUP if group_size is None else group_size
@@ -71,6 +74,8 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
             raise AOQError(f"scheme {scheme} has MX blocks of {mx.BLOCK_SIZE} only, got group size {group_size}")
         weight = torch.float8_e4m3fn if scheme == "mxfp8" else mx.FP4
         return MXFPInferenceConfig(activation_dtype=torch.float8_e4m3fn, weight_dtype=weight)
+    if scheme == "fp8-sparse" and group_size is None:
+        return Float8DynamicActivationFloat8SemiSparseWeightConfig(activation_dtype=torch.float8_e4m3fn)
     if group_size is not None:
         raise AOQError(f"scheme {scheme} has no group size (it is per row); drop the group size or use int4/int8")
     return {

@@ -63,6 +63,7 @@ ENUMS: dict[str, frozenset[str]] = {
     "IntxTensor.act_quant": frozenset({"per_token", "per_token_asymmetric"}),
     "Int4Tensor.act_quant": frozenset({"per_token"}),
     "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row", "static"}),
+    "Float8SemiSparseTensor.act_quant": frozenset({"per_row"}),
 }
 
 

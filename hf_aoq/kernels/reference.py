@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from .registry import ANY, CANONICAL, register_kernel
 
-TYPES = ("Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor")
+TYPES = ("Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor",
+         "Float8SemiSparseTensor")
 
 
 def reference_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Quantized tensor types, one file per dtype family."""
 from . import experts  # noqa: F401  (the fused-experts ops)
 from .float8 import Float8Tensor
+from .float8_sparse import Float8SemiSparseTensor
 from .int4 import Int4Tensor
 from .int4dq import Int4DQTensor
 from .int8 import Int8Tensor
@@ -8,4 +9,4 @@ from .intx import IntxTensor
 from .mx import MXTensor
 from . import sharding  # noqa: F401  (the ops tensor-parallel shards use)
 
-__all__ = ["Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor"]
+__all__ = ["Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor", "Float8SemiSparseTensor"]
