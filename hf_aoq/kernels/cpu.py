@@ -427,3 +427,5 @@ from . import cpu_gemm  # noqa: E402,F401
 from . import cpu_mx  # noqa: E402,F401
 # IntxTensor (1-8 bit codes) at any rows (csrc/intx.cpp).
 from . import cpu_intx  # noqa: E402,F401
+# Float8SemiSparseTensor (2:4 sparse e4m3) at any rows (csrc/fp8_sparse.cpp).
+from . import cpu_sparse  # noqa: E402,F401

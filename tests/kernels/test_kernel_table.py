@@ -27,6 +27,8 @@ from hf_aoq.kernels import cpu_ext, registry
 # The whole table, one row per (op, tensor type, packing it reads, kernel), best kernel first for
 # each (op, type, packing). Adding a kernel or a packing adds rows here and nowhere else.
 TABLE = [
+    ("embedding", "Float8SemiSparseTensor", "canonical", "rowgather"),
+    ("embedding", "Float8SemiSparseTensor", "canonical", "reference"),
     ("embedding", "Float8Tensor", "canonical", "rowgather"),
     ("embedding", "Float8Tensor", "canonical", "reference"),
     ("embedding", "Int4DQTensor", "canonical", "rowgather"),
@@ -45,6 +47,9 @@ TABLE = [
     ("embedding", "IntxTensor", "canonical", "reference"),
     ("embedding", "MXTensor", "canonical", "rowgather"),
     ("embedding", "MXTensor", "canonical", "reference"),
+    ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_gemv"),
+    ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_dequant_gemm"),
+    ("linear", "Float8SemiSparseTensor", "canonical", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_amx_gemm"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm_rowwise"),

@@ -43,6 +43,12 @@ torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t s
 torch::Tensor mxfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t k,
                               c10::optional<torch::Tensor> bias);
 
+// fp8_sparse.cpp: Float8SemiSparseTensor (2:4 sparse e4m3), F.linear in one call at few rows.
+torch::Tensor fp8_sparse_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor positions, torch::Tensor scale,
+                                   int64_t k, c10::optional<torch::Tensor> bias);
+torch::Tensor fp8_sparse_dequantize(torch::Tensor qdata, torch::Tensor positions, torch::Tensor scale, int64_t k,
+                                    torch::ScalarType dtype);
+
 // intx.cpp: IntxTensor (1-8 bit codes, canonical bit streams), F.linear in one call.
 torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                              int64_t bits, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
