@@ -14,6 +14,7 @@ new capability of a type, adds a generation to `GENERATIONS` below.
                                   token) and Float8Tensor with a static act_scale, schema version 1
     manifest.intx_asym_act.json   IntxTensor with act_quant "per_token_asymmetric" (torchao's int8
                                   asymmetric per-token activations), schema version 1
+    manifest.fp8_sparse.json      Float8SemiSparseTensor (new type: 2:4 sparse float8), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -45,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, PerRow, PerTensor  # noqa: E402
+from hf_aoq import Float8SemiSparseTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, PerRow, PerTensor  # noqa: E402
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
 
@@ -221,6 +222,24 @@ def state_dicts_intx_asym_act() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_fp8_sparse() -> dict[str, dict[str, torch.Tensor]]:
+    sparse = Float8SemiSparseTensor.from_float
+    ties = (torch.randint(-3, 4, (7, 32), generator=torch.Generator().manual_seed(64)).float() / 4)
+    return {
+        "v1_fp8_sparse": {
+            # The scheme fp8-sparse (e4m3 per-token activations) and the config's default (e5m2).
+            "dyn_e4m3_k64_bf16": sparse(weight(60, 16, 64, BF16), act_dtype=E4M3),
+            "dyn_e5m2_k576_bf16": sparse(weight(61, 16, 576, BF16), act_dtype=E5M2),
+            # An odd number of groups (36 = 9 x 4: the last position byte pads a nibble); act_dtype absent.
+            "dyn_k36_bf16": sparse(weight(62, 8, 36, BF16)),
+            "weight_only_k64_f16": sparse(weight(63, 8, 64, F16), act_quant=None),
+            # Ties (equal magnitudes: the lower position wins), zeros, and an all-zero row.
+            "ties_zeros_f32": sparse(torch.cat([torch.zeros(1, 32), ties]), act_quant=None),
+            "bias": torch.linspace(-1, 1, 16, dtype=BF16),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
@@ -229,6 +248,7 @@ GENERATIONS = {
     "manifest.intx.json": state_dicts_intx,
     "manifest.act_variants.json": state_dicts_act_variants,
     "manifest.intx_asym_act.json": state_dicts_intx_asym_act,
+    "manifest.fp8_sparse.json": state_dicts_fp8_sparse,
 }
 
 
