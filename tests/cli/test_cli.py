@@ -93,6 +93,7 @@ def test_each_scheme_name_builds_its_config(scheme, tmp_path):
         "fp8-int4": hf_aoq.Float8DynamicActivationInt4WeightConfig(group_size=128),
         "int4-int4": hf_aoq.Int4DynamicActivationInt4WeightConfig(group_size=128),
         "fp8-static": hf_aoq.Float8StaticActivationFloat8WeightConfig(scale=None),
+        "fp8-sparse": hf_aoq.Float8DynamicActivationFloat8SemiSparseWeightConfig(activation_dtype=torch.float8_e4m3fn),
     }[scheme]
     assert cfg == expected
     if scheme == "fp8-static":  # its scales come from calibration text, which it needs

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import AOQError, FormatError, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, serialization
+from hf_aoq import AOQError, FormatError, Float8SemiSparseTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, serialization
 from hf_aoq.core.granularity import PerTensor
 from hf_aoq.tensors.experts import TransposedExperts, expert
 
@@ -20,6 +20,7 @@ SCHEMES = {
     "fp8": lambda w: Float8Tensor.from_float(w),
     "fp8_per_tensor": lambda w: Float8Tensor.from_float(w, granularity=PerTensor()),
     "mxfp4": lambda w: MXTensor.from_float(w, torch.float4_e2m1fn_x2),
+    "fp8_sparse": lambda w: Float8SemiSparseTensor.from_float(w),
 }
 
 
