@@ -19,10 +19,20 @@ from .common import FLOATS
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .registry import opaque_op, register_kernel
 
-# Crossover with dequantize + GEMM, measured (scripts/bench_kernels.py style, see the commit
-# introducing it): each weight row is decoded once per four activation rows and gathers once per
-# activation row, so the GEMV's time grows with the rows faster than a GEMM's.
-FP8_SPARSE_GEMV_MAX_ROWS = 16
+# Measured on the 2-vCPU AVX-512/AMX Xeon, busy (load 14-20 from other processes), 2048x5632, bf16
+# activations, 1 thread, best of 30 (10 at 16+ rows) calls; milliseconds, e4m3 per-token activations:
+#   rows                      1     4     8    16    32    64
+#   sparse GEMV             0.61  1.55  2.98  40.6  89.6   301
+#   dense fp8 (cpu_fp8_*)   0.75  1.30  3.06  37.0  58.1   127
+#   bf16 F.linear (AMX)     1.31  1.21  1.49  1.59  2.01  3.31
+#   dequantize + GEMM       101    66    81    86   112   100   (an earlier run: 91 / 77 / 95 at 16 / 32 / 64)
+# Weight-only batch 1: sparse 0.52, dense fp8 0.65 (0.80x its time; 5 bits read per weight
+# against 8). Each weight row is decoded once per four activation rows and every activation row
+# costs its K/2 multiply-adds, so the GEMV grows with the rows; the dequantization writes a whole
+# bf16 weight (most of its time here is first touching fresh memory, on a machine whose memory
+# bandwidth the other processes took: a plain 23 MB copy took 15 ms), so it wins from about 32-64
+# rows. The many-row rows (16+) are noise-dominated on this machine; re-measure on a quiet one.
+FP8_SPARSE_GEMV_MAX_ROWS = 32
 
 
 @opaque_op("fp8_sparse_linear_io_cpu", _linear_out)
