@@ -92,6 +92,8 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
         kind = f"fp8 {short_dtype(field_dtypes['qdata'])}"
     if entry.type_name == "MXTensor" and isinstance(attrs.get("elem_dtype"), torch.dtype):
         kind = f"mx {short_dtype(attrs['elem_dtype'])}"
+    if entry.type_name == "Float8SemiSparseTensor":
+        kind = "fp8-sparse 2:4 e4m3"
     if entry.type_name == "IntxTensor" and type(attrs.get("bits")) is int:
         kind = f"intx{attrs['bits']}"
     if entry.type_name == "FPxTensor" and type(attrs.get("ebits")) is int and type(attrs.get("mbits")) is int:
@@ -106,6 +108,8 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
         parts.append(f"dyn-act {act}")
         if entry.type_name == "Int4Tensor" and isinstance(act_dtype, torch.dtype):
             parts.append(short_dtype(act_dtype))
+        if entry.type_name == "Float8SemiSparseTensor":  # its activations default to e4m3
+            parts.append(short_dtype(act_dtype) if isinstance(act_dtype, torch.dtype) else "e4m3")
     if entry.type_name == "MXTensor" and isinstance(attrs.get("act_dtype"), torch.dtype):
         parts.append(f"dyn-act mx {short_dtype(attrs['act_dtype'])}")
     return " ".join(p for p in parts if p)

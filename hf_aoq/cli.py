@@ -50,10 +50,13 @@ SCHEMES = {
     "nvfp4-wo": "nvfp4's weights, activations kept as they are (weight-only): 4.5 bits/weight",
     "fp6": "6-bit floats (FPx e3m2: sign, 3 exponent, 2 mantissa bits; torchao's FPXWeightOnlyConfig), bit-packed, "
            "a scale per row: about 6.0 bits/weight",
+    "fp8-sparse": "2:4 sparse float8: in every 4 weights along the input the 2 largest kept (e4m3, a scale per "
+                  "row, 2-bit positions), activations quantized to float8 e4m3 per token as the model runs: "
+                  "5.0 bits/weight. Pruned without retraining: expect a large accuracy loss",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())
-_WEIGHT_ONLY = textwrap.fill("All but the -dyn, mx, nvfp4 and <activation>-<weight> schemes are weight-only: weights are stored quantized and "
+_WEIGHT_ONLY = textwrap.fill("All but the -dyn, -sparse, mx, nvfp4 and <activation>-<weight> schemes are weight-only: weights are stored quantized and "
                              "dequantized inside the kernels, activations stay in bf16/fp32. One rule: --scheme "
                              "names one tensor type, and --group-size only changes that type's group size, never "
                              "the type.", 96)

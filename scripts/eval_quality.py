@@ -131,6 +131,14 @@ def hf_aoq_options(calibration):
         yield f"hf_aoq {label} + calibration (AWQ)", lambda m, c=cfg: quantize_with_calibration(
             m, c, calibration, filter_fn=not_lm_head, method="awq"
         )
+    # 2:4 sparse float8 (Float8SemiSparseTensor): magnitude pruning without retraining, against
+    # dense float8 with the same per-token activations.
+    yield "hf_aoq fp8-dyn (e4m3 weights and activations, dense)", lambda m: hf_aoq.quantize_(
+        m, hf_aoq.Float8DynamicActivationFloat8WeightConfig(), not_lm_head)
+    SP = hf_aoq.Float8DynamicActivationFloat8SemiSparseWeightConfig
+    yield "hf_aoq fp8-sparse (2:4 e4m3, e4m3 activations)", lambda m: hf_aoq.quantize_(
+        m, SP(activation_dtype=E4M3), not_lm_head)
+    yield "hf_aoq fp8-sparse, e5m2 activations (torchao's default)", lambda m: hf_aoq.quantize_(m, SP(), not_lm_head)
     yield "hf_aoq int8-dyn", lambda m: hf_aoq.quantize_(m, hf_aoq.Int8DynamicActivationInt8WeightConfig(), not_lm_head)
     yield "hf_aoq int8-dyn + calibration (SmoothQuant)", lambda m: quantize_with_calibration(
         m, hf_aoq.Int8DynamicActivationInt8WeightConfig(), calibration, filter_fn=not_lm_head, method="smoothquant"

@@ -19,6 +19,7 @@ new capability of a type, adds a generation to `GENERATIONS` below.
     manifest.nvfp4.json           NVFP4Tensor (new type: NVIDIA FP4, e4m3 block scales of 16 and a
                                   float32 per-tensor scale; 2-D and 3-D experts), schema version 1
     manifest.fpx.json             FPxTensor (new type: sub-byte floats, a scale per row), schema version 1
+    manifest.fp8_sparse.json      Float8SemiSparseTensor (new type: 2:4 sparse float8), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -51,7 +52,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import (FPxTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, NVFP4Tensor,  # noqa: E402
+from hf_aoq import (FPxTensor, Float8SemiSparseTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, NVFP4Tensor,  # noqa: E402
                     PerRow, PerTensor)
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
@@ -298,6 +299,24 @@ def state_dicts_fpx() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_fp8_sparse() -> dict[str, dict[str, torch.Tensor]]:
+    sparse = Float8SemiSparseTensor.from_float
+    ties = (torch.randint(-3, 4, (7, 32), generator=torch.Generator().manual_seed(64)).float() / 4)
+    return {
+        "v1_fp8_sparse": {
+            # The scheme fp8-sparse (e4m3 per-token activations) and the config's default (e5m2).
+            "dyn_e4m3_k64_bf16": sparse(weight(60, 16, 64, BF16), act_dtype=E4M3),
+            "dyn_e5m2_k576_bf16": sparse(weight(61, 16, 576, BF16), act_dtype=E5M2),
+            # An odd number of groups (36 = 9 x 4: the last position byte pads a nibble); act_dtype absent.
+            "dyn_k36_bf16": sparse(weight(62, 8, 36, BF16)),
+            "weight_only_k64_f16": sparse(weight(63, 8, 64, F16), act_quant=None),
+            # Ties (equal magnitudes: the lower position wins), zeros, and an all-zero row.
+            "ties_zeros_f32": sparse(torch.cat([torch.zeros(1, 32), ties]), act_quant=None),
+            "bias": torch.linspace(-1, 1, 16, dtype=BF16),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
@@ -309,6 +328,7 @@ GENERATIONS = {
     "manifest.mx3d.json": state_dicts_mx3d,
     "manifest.nvfp4.json": state_dicts_nvfp4,
     "manifest.fpx.json": state_dicts_fpx,
+    "manifest.fp8_sparse.json": state_dicts_fp8_sparse,
 }
 
 

@@ -7,7 +7,7 @@ from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyC
                       Int4DynamicActivationInt4WeightConfig, Int4WeightOnlyConfig,
                       Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig,
                       Int8WeightOnlyConfig)
-from .float8 import (Float8DynamicActivationFloat8WeightConfig,
+from .float8 import (Float8DynamicActivationFloat8SemiSparseWeightConfig, Float8DynamicActivationFloat8WeightConfig,
                      Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig)
 from .microscaling import (MXDynamicActivationMXWeightConfig, MXFPInferenceConfig, NVFP4InferenceConfig,
                            NVFP4WeightOnlyConfig)
@@ -21,6 +21,7 @@ __all__ = [
     'OPTIONAL', 'AOQBaseConfig', 'Int4WeightOnlyConfig', 'Int4DQWeightOnlyConfig',
     'Int8WeightOnlyConfig', 'Int8DynamicActivationInt8WeightConfig', 'Float8WeightOnlyConfig',
     'Float8DynamicActivationFloat8WeightConfig', 'Float8StaticActivationFloat8WeightConfig',
+    'Float8DynamicActivationFloat8SemiSparseWeightConfig',
     'Int8DynamicActivationInt4WeightConfig', 'Int4DynamicActivationInt4WeightConfig',
     'Float8DynamicActivationInt4WeightConfig', 'MXFPInferenceConfig',
     'MXDynamicActivationMXWeightConfig', 'NVFP4InferenceConfig', 'NVFP4WeightOnlyConfig', 'FPXWeightOnlyConfig', 'INT_DTYPES', 'INT_DTYPES_BY_BITS', 'UINT_DTYPES',

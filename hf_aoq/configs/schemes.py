@@ -9,7 +9,8 @@ from ..core.errors import AOQError
 from ..core.granularity import PerGroup
 from ..tensors import intx, mx, nvfp4
 from .recipe import AOQBaseConfig
-from .float8 import Float8DynamicActivationFloat8WeightConfig, Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig
+from .float8 import (Float8DynamicActivationFloat8SemiSparseWeightConfig, Float8DynamicActivationFloat8WeightConfig,
+                     Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig)
 from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyConfig, Int4DynamicActivationInt4WeightConfig,
                       Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig,
                       Int8WeightOnlyConfig)
@@ -22,7 +23,7 @@ from .fpx import FPXWeightOnlyConfig
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
 SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
            "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
-           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo", "fp6")
+           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo", "fp6", "fp8-sparse")
 INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
 INTX_DEFAULT_GROUP = 32
 # The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
@@ -49,7 +50,9 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     int8-int4, fp8-int4 and int4-int4 are int4 weights (groups of 32, 128 and 128 by default) with
     int8, float8 (e4m3) or int4 activations quantized per token at run time; fp8-static is
     Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses; fp6
-    is FPXWeightOnlyConfig(3, 2): e3m2 weights with a scale per row (no groups)."""
+    is FPXWeightOnlyConfig(3, 2): e3m2 weights with a scale per row (no groups);
+    fp8-sparse is Float8DynamicActivationFloat8SemiSparseWeightConfig with e4m3 activations (2:4
+    sparse e4m3 weights, per-token activations as fp8-dyn's; torchao's default is e5m2)."""
     intx_bits = INTX_SCHEME_BITS.get(scheme.removeprefix("int8-") if scheme.startswith("int8-int") else scheme)
     if intx_bits is not None and scheme in SCHEMES:
         g = INTX_DEFAULT_GROUP if group_size is None else group_size
@@ -79,6 +82,8 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
         if group_size not in (None, nvfp4.BLOCK_SIZE):
             raise AOQError(f"scheme {scheme} has NVFP4 blocks of {nvfp4.BLOCK_SIZE} only, got group size {group_size}")
         return NVFP4InferenceConfig() if scheme == "nvfp4" else NVFP4WeightOnlyConfig()
+    if scheme == "fp8-sparse" and group_size is None:
+        return Float8DynamicActivationFloat8SemiSparseWeightConfig(activation_dtype=torch.float8_e4m3fn)
     if group_size is not None:
         raise AOQError(f"scheme {scheme} has no group size (it is per row); drop the group size or use int4/int8")
     return {

@@ -64,6 +64,7 @@ ENUMS: dict[str, frozenset[str]] = {
     "Int4Tensor.act_quant": frozenset({"per_token"}),
     "Float8Tensor.act_quant": frozenset({"per_tensor", "per_row", "static"}),
     "NVFP4Tensor.act_quant": frozenset({"nvfp4"}),
+    "Float8SemiSparseTensor.act_quant": frozenset({"per_row"}),
 }
 
 

@@ -431,3 +431,5 @@ from . import cpu_nvfp4  # noqa: E402,F401
 from . import cpu_intx  # noqa: E402,F401
 # FPxTensor (sub-byte floats) at any rows (csrc/fpx.cpp).
 from . import cpu_fpx  # noqa: E402,F401
+# Float8SemiSparseTensor (2:4 sparse e4m3) at any rows (csrc/fp8_sparse.cpp).
+from . import cpu_sparse  # noqa: E402,F401

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from .registry import ANY, CANONICAL, register_kernel
 
-TYPES = ("Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor", "NVFP4Tensor", "FPxTensor")
+TYPES = ("Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor", "NVFP4Tensor", "FPxTensor",
+         "Float8SemiSparseTensor")
 
 
 def reference_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:

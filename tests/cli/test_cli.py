@@ -96,6 +96,7 @@ def test_each_scheme_name_builds_its_config(scheme, tmp_path):
         "nvfp4": hf_aoq.NVFP4InferenceConfig(mm_config="dynamic"),
         "nvfp4-wo": hf_aoq.NVFP4WeightOnlyConfig(),
         "fp6": hf_aoq.FPXWeightOnlyConfig(3, 2),
+        "fp8-sparse": hf_aoq.Float8DynamicActivationFloat8SemiSparseWeightConfig(activation_dtype=torch.float8_e4m3fn),
     }[scheme]
     assert cfg == expected
     if scheme == "fp8-static":  # its scales come from calibration text, which it needs

@@ -140,6 +140,7 @@ def _weights():
         "fp8": hf_aoq.Float8WeightOnlyConfig().quantize_weight(w),
         "fp8_tensor": hf_aoq.Float8WeightOnlyConfig(granularity=hf_aoq.PerTensor()).quantize_weight(w),
         "mx": hf_aoq.MXTensor.from_float(w),
+        "fp8_sparse": hf_aoq.Float8SemiSparseTensor.from_float(w),
     }
 
 

@@ -29,6 +29,8 @@ from hf_aoq.kernels import cpu_ext, registry
 TABLE = [
     ("embedding", "FPxTensor", "canonical", "rowgather"),
     ("embedding", "FPxTensor", "canonical", "reference"),
+    ("embedding", "Float8SemiSparseTensor", "canonical", "rowgather"),
+    ("embedding", "Float8SemiSparseTensor", "canonical", "reference"),
     ("embedding", "Float8Tensor", "canonical", "rowgather"),
     ("embedding", "Float8Tensor", "canonical", "reference"),
     ("embedding", "Int4DQTensor", "canonical", "rowgather"),
@@ -52,6 +54,9 @@ TABLE = [
     ("linear", "FPxTensor", "canonical", "cpu_fpx_amx_gemm"),
     ("linear", "FPxTensor", "canonical", "cpu_fpx_ext"),
     ("linear", "FPxTensor", "canonical", "reference"),
+    ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_gemv"),
+    ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_dequant_gemm"),
+    ("linear", "Float8SemiSparseTensor", "canonical", "reference"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_amx_gemm"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm_rowwise"),

@@ -215,12 +215,13 @@ def test_parse_metadata_and_build():
 
 
 def test_enum_allow_lists_match_the_tensor_types():
-    from hf_aoq.tensors import float8, int4, int8
+    from hf_aoq.tensors import float8, float8_sparse, int4, int8
 
     assert registry.ENUMS["Int8Tensor.act_quant"] == set(int8.ACT_QUANTS) - {None}
     assert registry.ENUMS["Int4Tensor.act_quant"] == set(int4.ACT_QUANTS) - {None}
     assert all(d in registry.DTYPE_NAMES for d in int4.ACT_DTYPES)  # every act_dtype can be written
     assert registry.ENUMS["Float8Tensor.act_quant"] == set(float8.ACT_QUANTS) - {None}
+    assert registry.ENUMS["Float8SemiSparseTensor.act_quant"] == set(float8_sparse.ACT_QUANTS) - {None}
     assert registry.ENUMS["Int4Tensor.packing"] == frozenset()  # only canonical tensors are saved
     assert registry.ENUMS["Int4DQTensor.packing"] == frozenset()
     from hf_aoq.tensors import nvfp4

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import AOQError, FormatError, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, NVFP4Tensor, serialization
+from hf_aoq import AOQError, FormatError, Float8SemiSparseTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, NVFP4Tensor, serialization
 from hf_aoq.core.granularity import PerTensor
 from hf_aoq.tensors.experts import TransposedExperts, expert
 
@@ -21,6 +21,7 @@ SCHEMES = {
     "fp8_per_tensor": lambda w: Float8Tensor.from_float(w, granularity=PerTensor()),
     "mxfp4": lambda w: MXTensor.from_float(w, torch.float4_e2m1fn_x2),
     "nvfp4": lambda w: NVFP4Tensor.from_float(w),
+    "fp8_sparse": lambda w: Float8SemiSparseTensor.from_float(w),
 }
 
 

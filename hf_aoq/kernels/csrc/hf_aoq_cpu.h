@@ -46,6 +46,11 @@ torch::Tensor mxfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tenso
 // nvfp4.cpp: NVFP4Tensor, weight-only, F.linear in one call.
 torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale,
                               torch::Tensor per_tensor_scale, int64_t k, c10::optional<torch::Tensor> bias);
+// fp8_sparse.cpp: Float8SemiSparseTensor (2:4 sparse e4m3), F.linear in one call at few rows.
+torch::Tensor fp8_sparse_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor positions, torch::Tensor scale,
+                                   int64_t k, c10::optional<torch::Tensor> bias);
+torch::Tensor fp8_sparse_dequantize(torch::Tensor qdata, torch::Tensor positions, torch::Tensor scale, int64_t k,
+                                    torch::ScalarType dtype);
 
 // intx.cpp: IntxTensor (1-8 bit codes, canonical bit streams), F.linear in one call.
 torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
