@@ -15,9 +15,10 @@
 // for bit.
 //
 // Few rows (up to gemv_max_rows): per weight row, the dot products in float32, decoded in
-// registers once per tile of kFpxTile activation rows, times the row's scale. Many rows: chunks of the weight dequantized to float32 exactly as the
-// reference (value * scale in float32) and float32 GEMM (dequant_gemm.h); fpx_dequantize gives the
-// weight in bf16/fp16/fp32 for aten's GEMM (kernels/cpu_fpx.py).
+// registers once per tile of kFpxTile activation rows, times the row's scale. Many rows: chunks
+// of the weight dequantized to float32 exactly as the reference (value * scale in float32) and
+// float32 GEMM (dequant_gemm.h); fpx_dequantize gives the weight in bf16/fp16/fp32 for aten's
+// GEMM (kernels/cpu_fpx.py).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
