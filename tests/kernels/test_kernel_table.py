@@ -78,7 +78,8 @@ TABLE = [
     ("linear", "IntxTensor", "canonical", "cpu_intx_amx_gemm"),
     ("linear", "IntxTensor", "canonical", "cpu_intx_ext"),
     ("linear", "IntxTensor", "canonical", "reference"),
-    ("linear", "MXTensor", "canonical", "cpu_mxfp4_gemv"),
+    ("linear", "MXTensor", "canonical", "cpu_mx_gemv"),
+    ("linear", "MXTensor", "canonical", "cpu_mx_dequant_gemm"),
     ("linear", "MXTensor", "canonical", "reference"),
 ]
 
