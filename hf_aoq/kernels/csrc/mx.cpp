@@ -10,11 +10,8 @@
 // gives the value. Per chunk and lane the eight products are added into a partial sum in the
 // order u = 4, 0, 5, 1, 6, 2, 7, 3, the partial sum times its block's scale into the lane's total
 // (one FMA): the products x * value are exact for bf16 activations, the scale is a power of two.
-// With bfloat16 activations on AVX-512 BF16 the same sums come from vdpbf16ps, which adds the
-// two products of a 32-bit lane, odd word first, each with one rounding: the words of a 64-bit
-// load shifted by 4t index a 32-entry bf16 table (vpermw), word 2i holding element 8i + t and
-// word 2i + 1 element 8i + 4 + t. That instruction flushes subnormal inputs and results to zero;
-// the float32 path does not (the two agree bit for bit otherwise).
+// (A vdpbf16ps variant for bf16 activations, 4 vpermw + 4 vdpbf16ps per chunk and row, measured
+// slower here: 0.49 against 0.41 ms at batch 1, 2048x5632, one thread of the AVX-512 Xeon.)
 // e4m3 / e5m2 (MXFP8), per block of 32: two 16-lane vectors decoded by a bit trick, each value
 // times the block's scale (the reference's float32 weight), and acc = x1 * w1 + (x0 * w0 + acc).
 // The activation rows are laid out once per call to match (zeros past K), and a last partial
@@ -22,7 +19,7 @@
 // in a fixed order (simd.h vsum); the AVX2 build computes the same lanes in two 8-lane halves with
 // the same operations, so both builds give the same outputs. Tiles of kNR weight rows x up to kMB
 // activation rows share each decoded weight vector and activation load; they change no value.
-// Denormals are neither flushed nor treated as zero during the call (vdpbf16ps aside).
+// Denormals are neither flushed nor treated as zero during the call.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -42,12 +39,6 @@ constexpr int kNR = 1, kMB = 1, kNR8 = 2, kMB8 = 1;
 #endif
 constexpr int kMaxTile = 16;  // >= kNR * kMB and kNR8 * kMB8
 constexpr int64_t kChunk = 128;  // e2m1 elements per 64-byte chunk (four blocks)
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define HF_AOQ_MX_BF16 1
-#else
-#define HF_AOQ_MX_BF16 0
-#endif
 
 // Where each weight row of a tile reads: the row, a zero-padded copy of its last partial chunk
 // (e2m1) or block (float8), and its scales as float32, per block (e2m1: zeros past the row's
@@ -126,40 +117,6 @@ void fp4_tile(const RowView* rows, int64_t chunks, int64_t full, const float* xp
     for (int r = 0; r < NR; ++r) out[i * NR + r] = vsum(total[i][r]);
 }
 
-#if HF_AOQ_MX_BF16
-// e2m1, bfloat16 activation words laid out by layout_rows_bf16, with vdpbf16ps.
-template <int NR, int MB>
-void fp4_tile_bf16(const RowView* rows, int64_t chunks, int64_t full, const uint16_t* xw, int64_t ldx, float* out) {
-  alignas(64) uint16_t words[32];
-  for (int j = 0; j < 32; ++j) words[j] = c10::BFloat16(E2M1_VALUE[j & 15]).x;
-  const __m512i table = _mm512_load_si512(words);
-  __m512 total[MB][NR];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < NR; ++r) total[i][r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i v[NR];
-    for (int r = 0; r < NR; ++r) v[r] = _mm512_loadu_si512(c < full ? rows[r].row + c * 64 : rows[r].tail);
-    __m512 part[MB][NR];
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < NR; ++r) part[i][r] = _mm512_setzero_ps();
-    for (int t = 0; t < 4; ++t) {
-      __m512bh w[NR];
-      for (int r = 0; r < NR; ++r) w[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v[r], 4 * t), table);
-      for (int i = 0; i < MB; ++i) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xw + i * ldx + c * kChunk + 32 * t);
-        for (int r = 0; r < NR; ++r) part[i][r] = _mm512_dpbf16_ps(part[i][r], xv, w[r]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 sv = chunk_scales(rows[r].sf + c * 4);
-      for (int i = 0; i < MB; ++i) total[i][r] = _mm512_fmadd_ps(part[i][r], sv, total[i][r]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < NR; ++r) out[i * NR + r] = vsum(total[i][r]);
-}
-#endif
-
 // e4m3 / e5m2, activations laid out in order, per block: acc = x1 * w1 + (x0 * w0 + acc).
 template <int NR, int MB>
 void fp8_tile(int64_t kind, const RowView* rows, int64_t B, int64_t full, const float* xp, int64_t ldx, float* out) {
@@ -214,24 +171,8 @@ void layout_rows(const float* x, float* xp, int64_t M, int64_t K, int64_t ld, in
   }
 }
 
-// bfloat16 activation words for fp4_tile_bf16: per chunk, xw[128c + 32t + 2i + h] = x[128c + 8i + 4h + t].
-void layout_rows_bf16(const c10::BFloat16* x, uint16_t* xw, int64_t M, int64_t K, int64_t ld) {
-  for (int64_t m = 0; m < M; ++m) {
-    const c10::BFloat16* s = x + m * K;
-    uint16_t* d = xw + m * ld;
-    for (int64_t c = 0; c < ld; c += kChunk)
-      for (int64_t t = 0; t < 4; ++t)
-        for (int64_t i = 0; i < 16; ++i)
-          for (int64_t h = 0; h < 2; ++h) {
-            const int64_t k = c + 8 * i + 4 * h + t;
-            d[c + 32 * t + 2 * i + h] = k < K ? s[k].x : uint16_t(0);
-          }
-  }
-}
-
-// y [M, N] = x W^T. e2m1: xp is float32 (layout_rows) or, when xw is given, bfloat16 words
-// (layout_rows_bf16); float8: xp float32 in order. ld: the laid-out rows' length.
-void mx_gemv(const float* xp, const uint16_t* xw, int64_t ld, int64_t M, const uint8_t* q, const uint8_t* sc, float* y,
+// y [M, N] = x W^T for activations xp laid out by layout_rows, rows ld floats apart.
+void mx_gemv(const float* xp, int64_t ld, int64_t M, const uint8_t* q, const uint8_t* sc, float* y,
              int64_t N, int64_t K, int64_t kind) {
   const int64_t B = (K + MX_BLOCK - 1) / MX_BLOCK;
   const bool fp4 = kind == MX_E2M1;
@@ -267,12 +208,6 @@ void mx_gemv(const float* xp, const uint16_t* xw, int64_t ld, int64_t M, const u
       for (int64_t m0 = 0; m0 < M; m0 += MBmax) {
         const int mb = static_cast<int>(std::min<int64_t>(MBmax, M - m0));
 #if defined(__AVX2__)
-#if HF_AOQ_MX_BF16
-        if (fp4 && xw) {
-          if (mb == 2) fp4_tile_bf16<kNR, 2>(rows, units, full, xw + m0 * ld, ld, out);
-          else fp4_tile_bf16<kNR, 1>(rows, units, full, xw + m0 * ld, ld, out);
-        } else
-#endif
         if (fp4) {
 #if defined(__AVX512F__)
           if (mb == 2) fp4_tile<kNR, 2>(rows, units, full, xp + m0 * ld, ld, out);
@@ -348,24 +283,13 @@ torch::Tensor mx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor s
   const auto q = qdata.contiguous();
   const auto s = scale.contiguous();
   auto y = torch::empty({M, N}, x2.options());
-  torch::Tensor xp, xw;
-#if HF_AOQ_MX_BF16
-  if (kind == MX_E2M1 && x.scalar_type() == torch::kBFloat16) {  // the values are bf16 (fake-quantized ones too)
-    const auto xb = (act_kind >= 0 ? fake.to(torch::kBFloat16) : x.reshape({-1, k})).contiguous();
-    xw = torch::empty({M, ld}, x.options().dtype(torch::kInt16));
-    layout_rows_bf16(xb.data_ptr<c10::BFloat16>(), reinterpret_cast<uint16_t*>(xw.data_ptr()), M, k, ld);
-  }
-#endif
-  if (!xw.defined()) {
-    xp = torch::empty({M, ld}, x2.options());
+  auto xp = torch::empty({M, ld}, x2.options());
 #if defined(__AVX2__)
-    layout_rows(xs, xp.data_ptr<float>(), M, k, ld, kind);
+  layout_rows(xs, xp.data_ptr<float>(), M, k, ld, kind);
 #else
-    layout_rows(xs, xp.data_ptr<float>(), M, k, ld, MX_E4M3);  // the plain loop reads x in order
+  layout_rows(xs, xp.data_ptr<float>(), M, k, ld, MX_E4M3);  // the plain loop reads x in order
 #endif
-  }
-  mx_gemv(xp.defined() ? xp.data_ptr<float>() : nullptr,
-          xw.defined() ? reinterpret_cast<const uint16_t*>(xw.data_ptr()) : nullptr, ld, M,
+  mx_gemv(xp.data_ptr<float>(), ld, M,
           reinterpret_cast<const uint8_t*>(q.data_ptr()), s.data_ptr<uint8_t>(), y.data_ptr<float>(), N, k, kind);
   if (has_bias) y.add_(bias->reshape({N}).to(torch::kFloat32));
   auto sizes = x.sizes().vec();
