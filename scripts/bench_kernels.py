@@ -90,8 +90,14 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     from hf_aoq.tensors.mx import FP4, MXTensor
 
     mx4 = MXTensor.from_float(w.to(dtype), FP4)
+    mx8 = MXTensor.from_float(w.to(dtype), torch.float8_e4m3fn)
+    mx4d = MXTensor.from_float(w.to(dtype), FP4, act_dtype=torch.float8_e4m3fn)
     if ext is not None:
-        out.append(("hf_aoq mxfp4 gemv", lambda: cpu_mx.mxfp4_linear_io(x, mx4.qdata, mx4.scale, k, None)))
+        for name, q in (("mxfp4", mx4), ("mxfp8", mx8), ("mxfp4 e4m3-act", mx4d)):
+            act = -1 if q.act_dtype is None else cpu_mx.KIND[q.act_dtype]
+            out.append((f"hf_aoq {name} gemv", lambda q=q, act=act: cpu_mx.mx_linear_io(
+                x, q.qdata, q.scale, cpu_mx.KIND[q.elem_dtype], k, None, act)))
+            out.append((f"hf_aoq {name} dequant + aten GEMM", lambda q=q: cpu_mx.mx_cpu_dequant_linear(x, q, None)))
     out.append(("hf_aoq mxfp4 reference", lambda: reference.reference_linear(x, mx4, None)))
     from hf_aoq.kernels import cpu_nvfp4
     from hf_aoq.tensors.nvfp4 import NVFP4Tensor

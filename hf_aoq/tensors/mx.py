@@ -122,8 +122,16 @@ def mx_dequantize(
     """The values of MX (qdata, scale), computed in float32 and returned as `out_dtype`."""
     values = decode_e2m1(unpack_int4(qdata)) if elem_dtype == FP4 else qdata.to(torch.float32)
     k = values.shape[-1]
-    w = _blocks(values) * e8m0_to_float(scale)[..., None]
-    return w.reshape(*values.shape[:-1], -1)[..., :k].to(out_dtype).contiguous()
+    # Each element times its block's scale, gathered per element. (Under torch.compile, torch
+    # 2.13's Inductor read a partial last block wrongly, uninitialized values, both when the
+    # blocks were padded and sliced and when the scales were repeated and sliced.)
+    per_block = e8m0_to_float(scale)
+    blocks = -(-k // BLOCK_SIZE)
+    if per_block.shape[-1] not in (1, blocks):  # one scale (broadcast) or one per block
+        raise AOQError(f"MX scale: {blocks} blocks along K = {k} expected, got shape {tuple(scale.shape)}")
+    if per_block.shape[-1] != 1:
+        per_block = per_block[..., torch.arange(k, device=scale.device) // BLOCK_SIZE]
+    return (values * per_block).to(out_dtype).contiguous()
 
 
 # ---------------------------------------------------------------------- the tensor type

@@ -39,9 +39,13 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
 torch::Tensor fp8_dequant_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift);
 torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t shift, torch::ScalarType dtype);
 
-// mx.cpp: MXTensor with e2m1 elements (MXFP4), weight-only, F.linear in one call.
-torch::Tensor mxfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t k,
-                              c10::optional<torch::Tensor> bias);
+// mx.cpp: MXTensor (e2m1 / e4m3 / e5m2 elements), weight-only or with MX activations, F.linear
+// in one call. mx_quant.cpp: MX quantization and dequantization as tensors/mx.py's, bit for bit.
+torch::Tensor mx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t kind, int64_t k,
+                           c10::optional<torch::Tensor> bias, int64_t act_kind);
+std::vector<torch::Tensor> mx_quantize_rows(torch::Tensor x, int64_t kind);
+torch::Tensor mx_fake_quantize(torch::Tensor x, int64_t kind);
+torch::Tensor mx_dequantize(torch::Tensor qdata, torch::Tensor scale, int64_t kind, int64_t k, torch::ScalarType dtype);
 
 // nvfp4.cpp: NVFP4Tensor, weight-only, F.linear in one call.
 torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale,

@@ -1,0 +1,232 @@
+// What the MX (OCP Microscaling) CPU kernels share (mx.cpp: the GEMV; mx_quant.cpp: activation
+// quantization and weight dequantization): the element kinds, e8m0 scales, and the per-block
+// quantization rule of tensors/mx.py (mx_quantize) in scalar C++.
+//
+// Elements: kind 0 e2m1 (two codes per byte, the even element in the low nibble), 1 e4m3fn,
+// 2 e5m2 (one byte each). Scales: one e8m0 code per 32 elements along K, 2^(code - 127), 255 NaN,
+// 0 the float32 subnormal 2^-127.
+//
+// Quantizing a block V (mx.py's rule): amax = max |V| (NaN if any is NaN); a non-finite amax
+// gives scale code 255 and zero elements; else e = floor(log2 amax) (frexp's exponent - 1),
+// shared = clamp(e - emax, -127, 127), -127 for an all-zero block; q = V * 2^-shared (exact);
+// each q is rounded to the nearest element value, ties to even, saturating at the largest
+// normal. The rounding here adds and subtracts a power-of-two "magic" constant whose ulp is the
+// element format's spacing at |q| (a float32 add rounds to nearest even), which picks the same
+// value as torch's float32 -> float8 conversion after mx.py's clamp, and as mx.py's e2m1
+// midpoint rule (a tie goes to the even code, which is the even multiple of the spacing).
+// Internal linkage (an anonymous namespace), as in every header here.
+#pragma once
+#include <torch/types.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__SSE__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t MX_BLOCK = 32;
+enum MxKind : int64_t { MX_E2M1 = 0, MX_E4M3 = 1, MX_E5M2 = 2 };
+
+// Per element kind: exponent of the largest normal, smallest normal exponent, mantissa bits,
+// largest normal.
+struct MxElem {
+  int emax, emin, mbits;
+  float max_normal;
+};
+inline MxElem mx_elem(int64_t kind) {
+  switch (kind) {
+    case MX_E2M1: return {2, 0, 1, 6.f};
+    case MX_E4M3: return {8, -6, 3, 448.f};
+    case MX_E5M2: return {15, -14, 2, 57344.f};
+    default: TORCH_CHECK(false, "MX element kind: 0 (e2m1), 1 (e4m3fn) or 2 (e5m2), got ", kind);
+  }
+  return {};
+}
+
+inline float mx_bits_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+inline uint32_t mx_float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// 2^(code - 127) as float32, built from the bits (tensors/mx.py e8m0_to_float).
+inline float e8m0_value(uint8_t c) {
+  return mx_bits_float(c == 255 ? 0x7FC00000u : c == 0 ? 0x00400000u : uint32_t(c) << 23);
+}
+
+const float E2M1_VALUE[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// Clears FTZ and DAZ for a scope: subnormal inputs, scales (2^-127) and products stay exact.
+struct MxDenormalsKept {
+#if defined(__SSE__) || defined(__AVX2__)
+  unsigned int saved;
+  MxDenormalsKept() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~0x8040u); }
+  ~MxDenormalsKept() { _mm_setcsr(saved); }
+#endif
+};
+
+// One block's shared exponent and scale code (mx.py's rule). finite: false for a block holding
+// inf or NaN (code 255).
+struct MxBlockScale {
+  int shared;
+  uint8_t code;
+  bool finite;
+};
+inline MxBlockScale mx_block_scale(const float* v, int64_t n, const MxElem& e) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(v[i]);
+    nan = nan || std::isnan(a);
+    amax = std::max(amax, a);
+  }
+  if (nan || !std::isfinite(amax)) return {0, 255, false};
+  int shared = -127;
+  if (amax > 0.f) {
+    int ex;
+    std::frexp(amax, &ex);
+    shared = std::min(std::max(ex - 1 - e.emax, -127), 127);
+  }
+  return {shared, static_cast<uint8_t>(shared + 127), true};
+}
+
+// q rounded to the element format (nearest, ties to even, saturating), sign kept (zero too).
+inline float mx_round_elem(float q, const MxElem& e) {
+  const uint32_t bits = mx_float_bits(q);
+  const float a = mx_bits_float(bits & 0x7FFFFFFFu);
+  const int exp = std::max(int((bits >> 23) & 0xFF) - 127, e.emin);  // |q| < 2^(emax + 1) here
+  const float magic = mx_bits_float(uint32_t(exp - e.mbits + 23 + 127) << 23 | 0x400000u);  // 1.5 * 2^(spacing + 23)
+  const float r = std::min((a + magic) - magic, e.max_normal);
+  return mx_bits_float(mx_float_bits(r) | (bits & 0x80000000u));
+}
+
+// The e2m1 code (0..15) of a value mx_round_elem gave.
+inline uint8_t e2m1_code(float r) {
+  const float a = std::fabs(r);
+  const uint8_t mag = a < 2.f ? uint8_t(a * 2.f) : a == 2.f ? 4 : a == 3.f ? 5 : a == 4.f ? 6 : 7;
+  return static_cast<uint8_t>(mag | (std::signbit(r) ? 8 : 0));
+}
+
+// 2^n as float32 for n in [-126, 127] (mx.py _pow2).
+inline float mx_pow2(int n) { return mx_bits_float(uint32_t(n + 127) << 23); }
+
+// One block of n (<= 32) floats quantized: `elem[i]` gets each element's value (the rounded q,
+// before the scale), and the block's scale. A non-finite block gives zeros.
+inline MxBlockScale mx_quantize_block(const float* v, int64_t n, const MxElem& e, float* elem) {
+  const MxBlockScale s = mx_block_scale(v, n, e);
+  if (!s.finite) {
+    for (int64_t i = 0; i < n; ++i) elem[i] = 0.f;
+    return s;
+  }
+  const float inv = mx_pow2(-s.shared);
+  for (int64_t i = 0; i < n; ++i) elem[i] = mx_round_elem(v[i] * inv, e);
+  return s;
+}
+
+// One activation row as the reference's simulate_input_quantization gives it (quantized in
+// blocks of 32 to element kind e, decoded in float32, rounded to the activation dtype T), back
+// in float32: out[k] for k < K.
+template <typename T>
+inline void mx_fake_quantize_row(const float* x, int64_t K, const MxElem& e, float* out) {
+  float elem[MX_BLOCK];
+  for (int64_t k0 = 0; k0 < K; k0 += MX_BLOCK) {
+    const int64_t n = std::min(MX_BLOCK, K - k0);
+    const MxBlockScale s = mx_quantize_block(x + k0, n, e, elem);
+    const float sv = e8m0_value(s.code);
+    for (int64_t i = 0; i < n; ++i) out[k0 + i] = static_cast<float>(static_cast<T>(elem[i] * sv));
+  }
+}
+
+// Checks an MX weight's fields against k and the element kind; returns N.
+inline int64_t mx_check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, int64_t kind, int64_t k) {
+  mx_elem(kind);
+  TORCH_CHECK(k > 0 && (kind != MX_E2M1 || k % 2 == 0), "k: positive (even for e2m1), got ", k);
+  const int64_t kb = kind == MX_E2M1 ? k / 2 : k;
+  TORCH_CHECK(qdata.element_size() == 1 && qdata.dim() == 2 && qdata.size(1) == kb,
+              "qdata: 1-byte elements [N, ", kb, "], got ", qdata.dtype(), " ", qdata.sizes());
+  const int64_t N = qdata.size(0), B = (k + MX_BLOCK - 1) / MX_BLOCK;
+  TORCH_CHECK(scale.dtype() == torch::kUInt8 && scale.dim() == 2 && scale.size(0) == N && scale.size(1) == B,
+              "scale: uint8 [", N, ", ", B, "], got ", scale.dtype(), " ", scale.sizes());
+  return N;
+}
+
+// ---------------------------------------------------------------------- decoding in registers
+// A block's 32 weights as two vfloats (simd.h: 16 float32 lanes) w0, w1, each the element's
+// value times the block's scale, in float32 (one rounding: the reference's dequantized weight).
+//   e2m1: 16 bytes; lane j of w0 is element 2j (byte j's low nibble), of w1 element 2j + 1.
+//         A table of the 16 values times the scale, indexed by the nibble: AVX-512's vpermps
+//         takes 16 entries (sign included); AVX2's takes 8 magnitudes, and the sign comes from
+//         the nibble's bit 3 moved to bit 31 by `code << 28`, which also puts the magnitude bits
+//         at 28..30: the table holds each entry's bits XOR (index << 28), which that XOR cancels.
+//   e4m3 / e5m2: 32 bytes; lane j of w0 is element j, of w1 element 16 + j. The code's exponent
+//         and mantissa bits shifted into a float32's (shift 20 / 21) give the value times 2^-120
+//         / 2^-112, exactly, subnormal codes included (DAZ must be off); times 2^120 / 2^112
+//         (exact), times the scale.
+// Element codes that are not finite (e4m3fn 0x7F/0xFF, e5m2 0x7C-0x7F/0xFC-0xFF: mx.py's encoder
+// saturates and never writes them) decode to finite values here.
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+using Fp4Table = __m512;
+inline Fp4Table fp4_table(float s) { return _mm512_mul_ps(_mm512_loadu_ps(E2M1_VALUE), _mm512_set1_ps(s)); }
+inline void fp4_decode(const uint8_t* p, const Fp4Table& t, vfloat& w0, vfloat& w1) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w0 = _mm512_permutexvar_ps(b, t);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), t);
+}
+inline __m512 fp8_lanes(const uint8_t* p, int shift) {
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return shift == 20 ? _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int(0x87F00000u))))
+                     : _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(b, 21), _mm512_set1_epi32(int(0x8FE00000u))));
+}
+inline vfloat fp8_decode16(const uint8_t* p, int shift, __m512 factor, __m512 s) {
+  return _mm512_mul_ps(_mm512_mul_ps(fp8_lanes(p, shift), factor), s);
+}
+#else
+using Fp4Table = __m256;
+inline Fp4Table fp4_table(float s) {
+  const __m256i pre = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
+  const __m256 mag = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUE), _mm256_set1_ps(s));
+  return _mm256_xor_ps(mag, _mm256_castsi256_ps(pre));
+}
+inline __m256 fp4_lookup(__m256i idx, __m256 t) {
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(t, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+inline void fp4_decode(const uint8_t* p, const Fp4Table& t, vfloat& w0, vfloat& w1) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  w0 = {fp4_lookup(lo, t), fp4_lookup(hi, t)};
+  w1 = {fp4_lookup(_mm256_srli_epi32(lo, 4), t), fp4_lookup(_mm256_srli_epi32(hi, 4), t)};
+}
+inline __m256 fp8_lanes8(const uint8_t* p, int shift) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return shift == 20 ? _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(int(0x87F00000u))))
+                     : _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 21), _mm256_set1_epi32(int(0x8FE00000u))));
+}
+inline vfloat fp8_decode16(const uint8_t* p, int shift, __m256 factor, __m256 s) {
+  return {_mm256_mul_ps(_mm256_mul_ps(fp8_lanes8(p, shift), factor), s),
+          _mm256_mul_ps(_mm256_mul_ps(fp8_lanes8(p + 8, shift), factor), s)};
+}
+#endif
+#endif
+
+// The same values one at a time (tails and the generic build).
+inline float fp8_value(uint8_t c, int shift) {
+  const float trick = mx_bits_float((uint32_t(c & 0x80) << 24) | (uint32_t(c & 0x7F) << shift));
+  return trick * (shift == 20 ? 0x1p120f : 0x1p112f);
+}
+inline float mx_elem_value(const uint8_t* row, int64_t kind, int64_t k) {
+  if (kind == MX_E2M1) return E2M1_VALUE[(k & 1) ? row[k >> 1] >> 4 : row[k >> 1] & 15];
+  return fp8_value(row[k], kind == MX_E4M3 ? 20 : 21);
+}
+
+}  // namespace
