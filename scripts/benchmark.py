@@ -307,16 +307,20 @@ class CompiledDecoder:
 
 
 def compiled_decode(model, prompt, new_tokens: int, repeats: int = 1) -> dict:
-    """decode tok/s (median of `repeats`) with the compiled step, the first compiled call's
-    seconds (compilation included) apart, and the opaque ops (hf_aoq's kernels) one compiled
-    step calls, as "op (calls)", seen by torch.profiler in an untimed pass."""
+    """decode tok/s (median of `repeats`) with the compiled step, each repeat after an eager one
+    (`eager_tps`: their median; on a shared machine the load moves between minutes, so the
+    compiled/eager ratio is taken from runs side by side), the first compiled call's seconds
+    (compilation included) apart, and the opaque ops (hf_aoq's kernels) one compiled step calls,
+    as "op (calls)", seen by torch.profiler in an untimed pass."""
     import torch
 
     warm = 2
     dec = CompiledDecoder(model, prompt.shape[1] + warm + new_tokens)
     compile_s, _ = dec.run(prompt, warm)
-    runs = [prompt.shape[0] * new_tokens / dec.run(prompt, warm + new_tokens, timed_from=warm)[1]
-            for _ in range(repeats)]
+    runs, eager = [], []
+    for _ in range(repeats):
+        eager.append(decode_tps(model, prompt, new_tokens))
+        runs.append(prompt.shape[0] * new_tokens / dec.run(prompt, warm + new_tokens, timed_from=warm)[1])
     steps = 2
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         dec.run(prompt, steps)  # the prefill is eager: its kernels are direct calls, not op events
@@ -324,7 +328,7 @@ def compiled_decode(model, prompt, new_tokens: int, repeats: int = 1) -> dict:
     for e in prof.events():
         if e.name.startswith("hf_aoq::"):
             ops[e.name] = ops.get(e.name, 0) + 1
-    return {"tps": statistics.median(runs), "runs": runs, "compile_s": compile_s,
+    return {"tps": statistics.median(runs), "runs": runs, "eager_tps": statistics.median(eager), "compile_s": compile_s,
             "kernels": [f"{k} ({n // steps})" for k, n in sorted(ops.items())]}
 
 
@@ -396,6 +400,7 @@ def child_measure(a) -> dict:
             c = compiled_decode(model, prompts, a.decode_tokens, a.repeats)
             suffix = "" if b == 1 else f"_b{b}"
             res[f"compiled_decode_tps{suffix}"], res[f"compile_s{suffix}"] = c["tps"], c["compile_s"]
+            res[f"compiled_eager_decode_tps{suffix}"] = c["eager_tps"]  # eager, alternated with the compiled runs
             if b == 1:
                 res["compiled_decode_tps_runs"], res["kernels_decode_compiled"] = c["runs"], c["kernels"]
     # Which rows of hf_aoq's kernel table ran (untimed passes: the counting costs a little).
@@ -656,15 +661,17 @@ def compiled_markdown(rows: dict) -> list[str]:
     head = "| config |" + "".join(f" {batch(e)} eager tok/s | ×bf16 | {batch(e)} compiled tok/s | ×bf16 eager | "
                                   f"compiled/eager |" for e, _ in pairs) + " compile s (b1) | kernels in a compiled step |"
     lines = ["", "Compiled decode: static KV cache, the step under torch.compile (fullgraph, static shapes); "
-             "ratios to eager bf16; compile s: the first compiled step, compilation included.", "",
+             "ratios to eager bf16 (its decode tok/s columns above); compiled/eager: against eager runs alternated with the "
+             "compiled ones; compile s: the first compiled step, compilation included.", "",
              head, "|" + " --- |" * (head.count("|") - 1)]
     for name, r in rows.items():
         if not any(c in r for _, c in pairs):
             continue
         cells = [name]
         for e, c in pairs:
+            side_by_side = r.get("compiled_eager_" + e, r.get(e))
             cells += [fmt(r.get(e)), fmt(ratio(r.get(e), base.get(e))), fmt(r.get(c)), fmt(ratio(r.get(c), base.get(e))),
-                      fmt(ratio(r.get(c), r.get(e)))]
+                      fmt(ratio(r.get(c), side_by_side))]
         cells += [fmt(r.get("compile_s"), ".1f"), "; ".join(r.get("kernels_decode_compiled") or []) or "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -722,7 +729,8 @@ def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: lis
         for eager_key, key in compiled_keys(results):  # compiled decode: against eager bf16, and its own eager
             if key in r:
                 r["vs_bf16"][key] = ratio(r.get(key), base.get(eager_key))
-                r.setdefault("compiled_vs_eager", {})[eager_key] = ratio(r.get(key), r.get(eager_key))
+                side_by_side = r.get("compiled_eager_" + eager_key, r.get(eager_key))
+                r.setdefault("compiled_vs_eager", {})[eager_key] = ratio(r.get(key), side_by_side)
     vs_peers = {}
     for name, r in results.items():
         backend, scheme = CONFIGS[name]

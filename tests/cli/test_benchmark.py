@@ -130,7 +130,7 @@ def test_benchmark_compiled_rows(tmp_path):
         for key in ("decode_tps", "compiled_decode_tps", "compiled_decode_tps_b4", "compile_s", "compile_s_b4"):
             assert r[key] > 0 and math.isfinite(r[key]), (name, key, r)
         assert r["vs_bf16"]["compiled_decode_tps"] == r["compiled_decode_tps"] / results["bf16"]["decode_tps"]
-        assert r["compiled_vs_eager"]["decode_tps_b4"] == r["compiled_decode_tps_b4"] / r["decode_tps_b4"]
+        assert r["compiled_vs_eager"]["decode_tps_b4"] == r["compiled_decode_tps_b4"] / r["compiled_eager_decode_tps_b4"]
     assert results["bf16"]["kernels_decode_compiled"] == []
     if any("_ext" in k for k in results["int4"]["kernels_decode"]):  # hf_aoq's C++ rows: opaque ops in the graph
         assert results["int4"]["kernels_decode_compiled"] == ["hf_aoq::int4_linear_io_cpu (7)"]
