@@ -18,7 +18,7 @@ of wall clocks (each region's time excludes the regions nested in it):
   loop             outside the forward: argmax, the Python loop
 
 With --compiled it then times the same decode with a static KV cache and the forward compiled
-(benchmark.py's CompiledDecoder, what `hf-aoq generate --compile` runs), alternating eager and
+(bench_compiled.CompiledDecoder, what `hf-aoq generate --compile` runs), alternating eager and
 compiled runs, and reports the best ms/token of each. The per-layer figures
 scale with the layer count; the head, embedding and loop are paid once per token.
 
@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_compiled  # noqa: E402
 import benchmark  # noqa: E402  (the benchmark's model, configs and loader)
 
 ORDER = ("C++ kernel", "kernel Python", "linear dispatch", "bf16 linears", "lm_head", "attention", "norms",
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
         prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=gen)
         eager_breakdown(model, prompt, 4)  # warm-up
         r = eager_breakdown(model, prompt, a.tokens)
-        dec = benchmark.CompiledDecoder(model, prompt.shape[1] + 2 + a.tokens) if a.compiled else None
+        dec = bench_compiled.CompiledDecoder(model, prompt.shape[1] + 2 + a.tokens) if a.compiled else None
         if dec is not None:
             r["compile_s"] = dec.run(prompt, 2)[0]
         eager, compiled = [], []
