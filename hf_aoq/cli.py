@@ -324,8 +324,11 @@ def generate_command(args) -> int:
                                            revision=args.revision, trust_remote_code=args.trust_remote_code,
                                            token=args.token)
     sampling = Sampling(args.do_sample, args.temperature, args.top_p, args.top_k, args.seed)
-    out = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling=sampling, chat=args.chat)
+    out = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling=sampling, chat=args.chat,
+                   compiled=args.compile)
     print(out.text)
+    if out.compile_seconds is not None:
+        print(f"compiled the decode step in {out.compile_seconds:.1f} s (a warm-up, not in tokens/s)", file=sys.stderr)
     print(f"{out.new_tokens} new tokens in {out.seconds:.2f} s: {out.tokens_per_second:.1f} tokens/s"
           + (" (chat template)" if out.chat else ""))
     if note:
@@ -480,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, help="nucleus sampling: keep the tokens of this much probability")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     p.add_argument("--seed", type=int, help="random seed, for repeatable samples")
+    p.add_argument("--compile", action="store_true",
+                   help="static KV cache and torch.compile of the decode step: faster tokens after a compile of "
+                        "tens of seconds (docs/performance.md)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--device-map", metavar="MAP", help="transformers' device_map, e.g. auto")
     p.add_argument("--revision", help="branch, tag or commit of a Hub checkpoint")

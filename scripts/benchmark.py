@@ -330,6 +330,17 @@ def child_measure(a) -> dict:
             decode_tps(model, prompts, 2)
             res[f"decode_tps_b{b}"] = statistics.median(decode_tps(model, prompts, a.decode_tokens)
                                                         for _ in range(a.repeats))
+    if a.compiled:  # the same prompts, static KV cache, the decode step compiled (one compile per batch size)
+        from bench_compiled import compiled_decode  # scripts/, beside this file
+
+        for b in compiled_batches(a):
+            prompts = prompt if b == 1 else torch.randint(0, vocab, (b, 16), generator=gen)
+            c = compiled_decode(model, prompts, a.decode_tokens, decode_tps, a.repeats)
+            suffix = "" if b == 1 else f"_b{b}"
+            res[f"compiled_decode_tps{suffix}"], res[f"compile_s{suffix}"] = c["tps"], c["compile_s"]
+            res[f"compiled_eager_decode_tps{suffix}"] = c["eager_tps"]  # eager, alternated with the compiled runs
+            if b == 1:
+                res["compiled_decode_tps_runs"], res["kernels_decode_compiled"] = c["runs"], c["kernels"]
     # Which rows of hf_aoq's kernel table ran (untimed passes: the counting costs a little).
     res["kernels_prefill"] = kernels_used(lambda: timed_prefill(model, prefill_ids))
     with torch.inference_mode():
@@ -497,6 +508,10 @@ def batches(a) -> list[int]:
     return [int(b) for b in str(a.batches).split(",") if b.strip()]
 
 
+def compiled_batches(a) -> list[int]:
+    return [int(b) for b in str(a.compiled_batches).split(",") if b.strip()]
+
+
 def spawn(a, step: str, extra: list[str], timeout: float) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
@@ -526,6 +541,8 @@ def common_args(a) -> list[str]:
            "--fidelity-tokens", str(a.fidelity_tokens)]
     if a.threads:
         out += ["--threads", str(a.threads)]
+    if a.compiled:
+        out += ["--compiled", "--compiled-batches", str(a.compiled_batches)]
     if a.moe:
         out.append("--moe")
     if a.debug:
@@ -565,6 +582,39 @@ def ratio(x, y):
     return None if x is None or y is None or y == 0 else x / y
 
 
+def compiled_keys(results: dict) -> list[tuple[str, str]]:
+    """(eager key, compiled key) of each decode measured compiled: (decode_tps, compiled_decode_tps),
+    (decode_tps_b4, compiled_decode_tps_b4), ..."""
+    keys = {k for r in results.values() for k in r if k.startswith("compiled_decode_tps") and not k.endswith("_runs")}
+    return sorted(((k.removeprefix("compiled_"), k) for k in keys), key=lambda kv: (len(kv[0]), kv[0]))
+
+
+def compiled_markdown(rows: dict) -> list[str]:
+    """The compiled rows: each config's decode eager and compiled, ratios to eager bf16."""
+    pairs = compiled_keys(rows)
+    if not pairs:
+        return []
+    base = rows.get("bf16", {})
+    batch = lambda k: "b1" if k == "decode_tps" else k.removeprefix("decode_tps_")  # noqa: E731
+    head = "| config |" + "".join(f" {batch(e)} eager tok/s | ×bf16 | {batch(e)} compiled tok/s | ×bf16 eager | "
+                                  f"compiled/eager |" for e, _ in pairs) + " compile s (b1) | kernels in a compiled step |"
+    lines = ["", "Compiled decode: static KV cache, the step under torch.compile (fullgraph, static shapes); "
+             "ratios to eager bf16 (its decode tok/s columns above); compiled/eager: against eager runs alternated with the "
+             "compiled ones; compile s: the first compiled step, compilation included.", "",
+             head, "|" + " --- |" * (head.count("|") - 1)]
+    for name, r in rows.items():
+        if not any(c in r for _, c in pairs):
+            continue
+        cells = [name]
+        for e, c in pairs:
+            side_by_side = r.get("compiled_eager_" + e, r.get(e))
+            cells += [fmt(r.get(e)), fmt(ratio(r.get(e), base.get(e))), fmt(r.get(c)), fmt(ratio(r.get(c), base.get(e))),
+                      fmt(ratio(r.get(c), side_by_side))]
+        cells += [fmt(r.get("compile_s"), ".1f"), "; ".join(r.get("kernels_decode_compiled") or []) or "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     rows = report["results"]
     base = rows.get("bf16", {})
@@ -597,6 +647,7 @@ def markdown(report: dict) -> str:
         lines += ["", "| config | kernels in prefill (calls) | kernels in a batch-1 decode step (calls) |", "| --- | --- | --- |"]
         for name, r in used.items():
             lines.append(f"| {name} | {'; '.join(r.get('kernels_prefill') or [])} | {'; '.join(r.get('kernels_decode') or [])} |")
+    lines += compiled_markdown(rows)
     peers = report.get("vs_peers") or {}
     if peers:
         lines += ["", "| hf_aoq vs peer | decode tok/s ratio | prefill s ratio | model bytes ratio |", "| --- | --- | --- | --- |"]
@@ -629,6 +680,11 @@ def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: lis
     metrics = ("decode_tps", *(f"decode_tps_b{b}" for b in batches(a) if b > 1), "prefill_s", "model_bytes", "load_s", "load_peak_rss_mb", "save_bytes", "reload_s")
     for name, r in results.items():
         r["vs_bf16"] = {m: ratio(r.get(m), base.get(m)) for m in metrics}
+        for eager_key, key in compiled_keys(results):  # compiled decode: against eager bf16, and its own eager
+            if key in r:
+                r["vs_bf16"][key] = ratio(r.get(key), base.get(eager_key))
+                side_by_side = r.get("compiled_eager_" + eager_key, r.get(eager_key))
+                r.setdefault("compiled_vs_eager", {})[eager_key] = ratio(r.get(key), side_by_side)
     vs_peers = {}
     for name, r in results.items():
         backend, scheme = CONFIGS[name]
@@ -642,7 +698,8 @@ def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: lis
     report = {
         "machine": machine_info(a),
         "model": model_desc,
-        "settings": {k: getattr(a, k) for k in ("prefill_tokens", "prefill_repeats", "decode_tokens", "repeats", "fidelity_tokens", "bandwidth_mb")},
+        "settings": {k: getattr(a, k) for k in ("prefill_tokens", "prefill_repeats", "decode_tokens", "repeats", "fidelity_tokens", "bandwidth_mb",
+                                                "compiled", "compiled_batches")},
         "read_bandwidth_bytes_per_s": bandwidth,
         "results": results,
         "vs_peers": vs_peers,
@@ -790,6 +847,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fidelity-tokens", type=int, default=128)
     p.add_argument("--no-fidelity", action="store_true", help="skip the SmolLM2 fidelity step")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="buffer size for the bandwidth measurement")
+    p.add_argument("--compiled", action="store_true", help="also decode with a static KV cache and the step under "
+                   "torch.compile (what `hf-aoq generate --compile` runs); the first compile is timed apart")
+    p.add_argument("--compiled-batches", default="1,4", help="batch sizes of the compiled decode (default 1,4)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (default: torch's choice)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     p.add_argument("--render", default=None, metavar="JSON", help="only print the Markdown table of a saved (or partial) report")

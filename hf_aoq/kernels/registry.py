@@ -100,6 +100,14 @@ def forget_capabilities() -> None:
 
 
 # ---------------------------------------------------------------------- the eager/compiled switch
+def _non_differentiable(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(*(output if isinstance(output, tuple) else (output,)))
+
+
+def _no_backward(ctx, *grads):
+    raise RuntimeError("hf_aoq's kernels have no backward; their outputs are marked non-differentiable")
+
+
 class OpaqueOp:
     """`fn` as the custom op `hf_aoq::<name>` under torch.compile, and `fn` itself in eager mode.
     `fake(*args)` returns an empty tensor of the output's shape and dtype."""
@@ -108,6 +116,10 @@ class OpaqueOp:
         self.eager = fn
         self.op = torch.library.custom_op(f"hf_aoq::{name}", mutates_args=())(fn)
         self.op.register_fake(fake)
+        # The eager call records no autograd graph (C++ code fills the output): its output never
+        # requires grad. Said to autograd, so that a graph compiled with grad enabled does the same
+        # instead of failing for want of a backward formula.
+        self.op.register_autograd(_no_backward, setup_context=_non_differentiable)
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():

@@ -36,6 +36,7 @@ class Generated:
     new_tokens: int
     seconds: float
     chat: bool  # whether the prompt went through the tokenizer's chat template
+    compile_seconds: float | None = None  # the compiled warm-up's time (torch.compile included), if compiled
 
     @property
     def tokens_per_second(self) -> float:
@@ -74,9 +75,30 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool | None):
     return dict(tokenizer(prompt, return_tensors="pt")), False
 
 
+def compile_config():
+    """transformers' CompileConfig for a compiled decode step: one graph of the whole forward
+    (hf_aoq's kernels are opaque custom ops in it, so a graph break is an error), static shapes
+    (the static KV cache holds them fixed), Inductor's default mode (reduce-overhead's CUDA graphs
+    do nothing on CPU). transformers compiles only on accelerators unless `_compile_all_devices`
+    is set: on CPU it is what takes the per-token Python and dispatch out (docs/performance.md)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def compiled_generation_kwargs(max_cache_len: int) -> dict:
+    """generate()'s arguments for a static KV cache of `max_cache_len` tokens and the decode step
+    compiled; the same length on every call keeps the cache's shape, so the graph is reused."""
+    return {"cache_implementation": "static", "compile_config": compile_config(), "max_cache_len": max_cache_len}
+
+
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, sampling: Sampling | None = None,
-             chat: bool | None = None, exact_length: bool = False) -> Generated:
-    """Generate after a one-token warm-up, timing only the generation."""
+             chat: bool | None = None, exact_length: bool = False, compiled: bool = False) -> Generated:
+    """Generate after a warm-up, timing only the generation. With `compiled`, a static KV cache and
+    the decode step under torch.compile: the warm-up decodes two tokens, so that it compiles the
+    step (timed apart, `compile_seconds`) and the timed generation reuses the graph."""
     import torch
 
     sampling = sampling or Sampling()
@@ -84,15 +106,23 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, sampling: Sa
     inputs = {k: v.to(model.device) for k, v in inputs.items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     extra = {"min_new_tokens": max_new_tokens} if exact_length else {}
+    warm = {"max_new_tokens": 1}
+    compile_seconds = None
+    if compiled:
+        extra.update(compiled_generation_kwargs(inputs["input_ids"].shape[1] + max(max_new_tokens, 2)))
+        warm = {**extra, "max_new_tokens": 2, "min_new_tokens": 2}
     with torch.inference_mode():
-        model.generate(**inputs, max_new_tokens=1, do_sample=False, pad_token_id=pad)  # warm-up
+        start = time.perf_counter()
+        model.generate(**inputs, do_sample=False, pad_token_id=pad, **warm)
+        if compiled:
+            compile_seconds = time.perf_counter() - start
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         start = time.perf_counter()
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling.kwargs(), **extra)
         seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1]:]
-    return Generated(tokenizer.decode(new, skip_special_tokens=True), new.numel(), seconds, used_chat)
+    return Generated(tokenizer.decode(new, skip_special_tokens=True), new.numel(), seconds, used_chat, compile_seconds)
 
 
 def load_for_generation(path: str, tokenizer_name: str | None = None, *, device_map=None, revision=None,

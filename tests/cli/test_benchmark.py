@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 
 
@@ -108,3 +110,28 @@ def test_benchmark_named_schemes_intx_and_calibrated_fp8_static(tmp_path):
     assert all(k.startswith("linear Float8Tensor: ") for k in results["fp8-static"]["kernels_decode"])
     assert results["fp8-static"]["calibrate_s"] > 0 and "calibrate_s" not in results["int3"]
     assert _calls(results["fp8-static"]["kernels_decode"]) == _calls(results["int3"]["kernels_decode"]) > 0
+
+
+@pytest.mark.slow
+def test_benchmark_compiled_rows(tmp_path):
+    """--compiled: decode with a static KV cache and the step compiled, beside the eager rows, with
+    ratios to eager bf16, the compile timed apart and the opaque ops a compiled step calls."""
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4", "--no-fidelity",
+         "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32", "--batches", "1,4",
+         "--prefill-tokens", "16", "--decode-tokens", "4", "--repeats", "1", "--threads", "1", "--compiled"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for name in ("bf16", "int4"):
+        r = results[name]
+        for key in ("decode_tps", "compiled_decode_tps", "compiled_decode_tps_b4", "compile_s", "compile_s_b4"):
+            assert r[key] > 0 and math.isfinite(r[key]), (name, key, r)
+        assert r["vs_bf16"]["compiled_decode_tps"] == r["compiled_decode_tps"] / results["bf16"]["decode_tps"]
+        assert r["compiled_vs_eager"]["decode_tps_b4"] == r["compiled_decode_tps_b4"] / r["compiled_eager_decode_tps_b4"]
+    assert results["bf16"]["kernels_decode_compiled"] == []
+    if any("_ext" in k for k in results["int4"]["kernels_decode"]):  # hf_aoq's C++ rows: opaque ops in the graph
+        assert results["int4"]["kernels_decode_compiled"] == ["hf_aoq::int4_linear_io_cpu (7)"]
+    assert "Compiled decode" in result.stdout and "b4 compiled tok/s" in result.stdout

@@ -1,0 +1,106 @@
+"""The compiled decode step: a static KV cache and torch.compile of the forward in transformers'
+generate (hf_aoq.workflows.generation.compile_config), with hf_aoq's kernels as opaque custom ops.
+One graph for every decode step (fullgraph: a graph break is an error), the kernels eager mode
+runs called from it, and the tokens of eager greedy decoding."""
+import collections
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from hf_aoq import (
+    Float8WeightOnlyConfig,
+    Int4DQWeightOnlyConfig,
+    Int4WeightOnlyConfig,
+    Int8WeightOnlyConfig,
+    quantize_,
+)
+from hf_aoq.kernels import registry
+from hf_aoq.workflows.generation import compiled_generation_kwargs
+
+from conftest import sqnr
+from models import tiny_llama
+
+PROMPT = torch.tensor([[1, 5, 9, 77, 3, 10, 127, 300]])
+NEW = 6
+
+CONFIGS = [
+    pytest.param(Int4WeightOnlyConfig(32), id="int4"),
+    pytest.param(Int4DQWeightOnlyConfig(), id="int4dq", marks=pytest.mark.slow),
+    pytest.param(Int8WeightOnlyConfig(), id="int8", marks=pytest.mark.slow),
+    pytest.param(Float8WeightOnlyConfig(), id="fp8", marks=pytest.mark.slow),
+]
+
+
+def opaque_calls(fn) -> collections.Counter:
+    """How often `fn()` calls each of hf_aoq's opaque ops (eagerly: straight to the function)."""
+    seen = collections.Counter()
+    call = registry.OpaqueOp.__call__
+
+    def counting(self, *args):
+        seen[self.op._qualname] += 1
+        return call(self, *args)
+
+    registry.OpaqueOp.__call__ = counting
+    try:
+        fn()
+    finally:
+        registry.OpaqueOp.__call__ = call
+    return seen
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_compiled_decode_is_one_graph_of_the_eager_kernels_with_eager_tokens(config):
+    model = quantize_(tiny_llama().eval(), config)
+    greedy = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+    with torch.inference_mode():
+        eager = model.generate(PROMPT, **greedy)
+        out = model(input_ids=PROMPT, use_cache=True, logits_to_keep=1)
+        step = opaque_calls(lambda: model(input_ids=eager.sequences[:, -1:], past_key_values=out.past_key_values,
+                                          use_cache=True))
+    assert step, "no hf_aoq kernel ran in an eager decode step"
+
+    torch._dynamo.reset()
+    counters.clear()
+    kwargs = compiled_generation_kwargs(PROMPT.shape[1] + NEW)
+    with torch.inference_mode():
+        first = model.generate(PROMPT, **greedy, **kwargs)  # compiles (tracing calls the ops' fakes)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled = model.generate(PROMPT, **greedy, **kwargs)
+    # Every step of both calls ran one graph: no graph break, no recompilation.
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(first.sequences, compiled.sequences)
+    # The compiled steps (the prefill runs eagerly) call eager's kernels as opaque ops, as often.
+    ran = collections.Counter(e.name for e in prof.events() if e.name.startswith("hf_aoq::"))
+    assert ran == {op: n * (NEW - 1) for op, n in step.items()}, (ran, step)
+
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for a, b in zip(eager.logits, compiled.logits):
+        assert sqnr(a, b) > 25
+
+
+def test_compiled_generate_workflow_and_command_line(tiny_llama_dir, tmp_path, capsys):
+    """`hf-aoq generate --compile` on a saved int8 checkpoint: the eager command's text, and the
+    compile timed apart."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_aoq
+    from hf_aoq.cli import main
+    from hf_aoq.workflows import generate
+
+    out = tmp_path / "int8"
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, quantization_config=hf_aoq.AOQConfig(Int8WeightOnlyConfig()))
+    model.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tokenizer.save_pretrained(out)
+    prompt = "w5 w9 w77 w3 w10"
+    eager = generate(model.eval(), tokenizer, prompt, 5, chat=False)
+    assert eager.compile_seconds is None
+    torch._dynamo.reset()
+    assert main(["generate", str(out), prompt, "--max-new-tokens", "5", "--compile", "--no-chat"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.splitlines()[-2] == eager.text
+    assert "compiled the decode step in" in printed.err
