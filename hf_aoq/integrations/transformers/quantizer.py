@@ -2,6 +2,7 @@
 a pre-quantized checkpoint's metadata through hf_aoq.serialization, and hands tensors to the ops."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -20,7 +21,8 @@ from ...core import memory
 from ...core.errors import AOQError, FormatError
 from ...core.registry import DTYPES, tensor_type
 from ...core.tensor import AOQTensor
-from ...quantize import Decision, placed_for_kernels, plan, tie_groups
+from ...tensors.experts import TransposedExperts
+from ...quantize import Decision, placed_for_kernels, plan, tie_groups, transposed_weight
 from .config import AOQConfig
 from .ops import AOQLoad, AOQQuantize, _parent, _storage_key
 from .renames import guard_conversions, load_renaming, stored_names
@@ -140,6 +142,11 @@ class AOQHfQuantizer(HfQuantizer):
             embeddings=embeddings if config.include_embeddings else (),
             ties=getattr(model, "all_tied_weights_keys", None) or {},
         )
+        # Experts stored [E, in, out] (quantize.stored_in_by_out) are quantized as their transpose
+        # and load back as its view: config.json lists them (a TP shard of one takes it off again).
+        transposed = {n for n, d in self._plan.items() if d.transposed}
+        if transposed:
+            config.stored_transposed = sorted(set(config.stored_transposed or ()) | transposed)
         sizes: dict[tuple, int] = {}
         for name, decision in self._plan.items():
             param = model.get_parameter(name)
@@ -152,6 +159,8 @@ class AOQHfQuantizer(HfQuantizer):
             # Only a tie's source is read from the checkpoint; tie_weights shares it afterwards.
             self._configs[name] = cfg
             matrix = tuple(param.shape[-2:])  # fused experts: E matrices, each quantized as a 2-D weight
+            if decision.transposed:
+                matrix = matrix[::-1]
             key = (cfg, matrix, param.dtype)
             if key not in sizes:
                 sizes[key] = _quantized_nbytes(cfg, matrix, param.dtype, name)
@@ -277,10 +286,19 @@ class AOQHfQuantizer(HfQuantizer):
         if tuple(weight.shape) != self._plan[name].shape:
             self._mismatched.add(name)
             return weight
+        decision = self._plan[name]
+        if decision.transposed and self._tp is not None and name in self._tp.targets:
+            # A tp_plan cuts it: quantized as stored, as before (stored_transposed views are not sharded).
+            decision = dataclasses.replace(decision, transposed=False, place=False)
+            self.quantization_config.stored_transposed = [
+                n for n in self.quantization_config.stored_transposed if n != name] or None
+        if decision.transposed:
+            q = config.quantize_weight(transposed_weight(weight), name=name).place()
+            return nn.Parameter(TransposedExperts(q), requires_grad=False)
         q = config.quantize_weight(weight, name=name)
         if self._tp is not None:
             q = self._tp.shard(name, q)
-        if name in self._linear_only:
+        if decision.place:
             q = q.place()
         return nn.Parameter(q, requires_grad=False)
 
