@@ -249,12 +249,12 @@ def carry_out(model: nn.Module, decisions: Mapping[str, Decision]) -> nn.Module:
         weight = model.get_parameter(name).detach()
         q = decision.config.quantize_weight(transposed_weight(weight) if decision.transposed else weight, name=name)
         set_quantized(model, name, decision, q)
+    return model
 
 
 def transposed_weight(weight):
     """The [E, out, in] matrix a `Decision.transposed` parameter [E, in, out] is quantized as."""
     return weight.transpose(-2, -1).contiguous()
-    return model
 
 
 def set_quantized(model: nn.Module, name: str, decision: Decision, q: AOQTensor) -> None:
