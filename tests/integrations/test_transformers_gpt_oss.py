@@ -204,3 +204,11 @@ def test_the_layout_is_known_by_the_experts_class_not_by_the_shape():
     sub = type("MyExperts", (type(experts),), {})  # a subclass (e.g. a kernel's replacement) is the same layout
     assert quantize.stored_in_by_out(experts, "down_proj") and quantize.stored_in_by_out(sub.__new__(sub), "down_proj")
     assert not quantize.stored_in_by_out(experts, "gate_up_proj_bias")
+
+
+def test_a_state_dict_file_refuses_the_view_naming_it(tmp_path):
+    model = hf_aoq.quantize_(GptOssForCausalLM(gpt_oss_config()), Int8WeightOnlyConfig())
+    with pytest.raises(hf_aoq.FormatError, match=r"tensor 'model.layers.0.mlp.experts.gate_up_proj': is a "
+                                                 r"TransposedExperts view"):
+        hf_aoq.serialization.save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    assert not (tmp_path / "m.safetensors").exists()

@@ -307,16 +307,16 @@ class AOQHfQuantizer(HfQuantizer):
         if entry is None:
             raise FormatError(f"{self._source}: {name} is stored as quantized fields no hf_aoq metadata describes")
         tensor = entry.build(fields, source=self._source)
-        if self._tp is not None:
-            tensor = self._tp.shard(name, tensor)
-        dtype = model.get_parameter(name).dtype
         transposed = name in (self.quantization_config.stored_transposed or ())
+        if self._tp is not None:
+            tensor = self._tp.shard(name, tensor, transposed=transposed)
+        dtype = model.get_parameter(name).dtype
         if self.quantization_config.dequantize:
             return stored_transposed.dequantized(tensor, dtype) if transposed else tensor.dequantize(dtype)
         if dtype.is_floating_point and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         if transposed:
-            return stored_transposed.as_parameter(tensor, name, sharded=self._tp is not None and name in self._tp.targets)
+            return stored_transposed.as_parameter(tensor, name)
         if name in self._linear_only:
             tensor = tensor.place()
         return nn.Parameter(tensor, requires_grad=False)
