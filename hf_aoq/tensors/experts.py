@@ -166,7 +166,8 @@ class TransposedExperts(torch.Tensor):
         def plain(t):
             return t.experts.dequantize().transpose(-2, -1) if isinstance(t, TransposedExperts) else t
 
-        if func in (aten.detach.default, aten.alias.default):
+        if func in (aten.detach.default, aten.alias.default) or (
+                func is aten.view.default and tuple(args[1]) == tuple(args[0].shape)):  # DTensor.from_local's
             return TransposedExperts(args[0].experts)
         if func is aten._to_copy.default:  # .to(dtype / device), e.g. Module.to: the view of the moved tensor
             return TransposedExperts(aten._to_copy.default(args[0].experts, **(kwargs or {})))

@@ -2,7 +2,6 @@
 a pre-quantized checkpoint's metadata through hf_aoq.serialization, and hands tensors to the ops."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -143,7 +142,7 @@ class AOQHfQuantizer(HfQuantizer):
             ties=getattr(model, "all_tied_weights_keys", None) or {},
         )
         # Experts stored [E, in, out] (quantize.stored_in_by_out) are quantized as their transpose
-        # and load back as its view: config.json lists them (a TP shard of one takes it off again).
+        # and load back as its view: config.json lists them.
         transposed = {n for n, d in self._plan.items() if d.transposed}
         if transposed:
             config.stored_transposed = sorted(set(config.stored_transposed or ()) | transposed)
@@ -287,17 +286,11 @@ class AOQHfQuantizer(HfQuantizer):
             self._mismatched.add(name)
             return weight
         decision = self._plan[name]
-        if decision.transposed and self._tp is not None and name in self._tp.targets:
-            # A tp_plan cuts it: quantized as stored, as before (stored_transposed views are not sharded).
-            decision = dataclasses.replace(decision, transposed=False, place=False)
-            self.quantization_config.stored_transposed = [
-                n for n in self.quantization_config.stored_transposed if n != name] or None
+        q = config.quantize_weight(transposed_weight(weight) if decision.transposed else weight, name=name)
+        if self._tp is not None:  # stored transposed: whole experts only (expert parallelism)
+            q = self._tp.shard(name, q, transposed=decision.transposed)
         if decision.transposed:
-            q = config.quantize_weight(transposed_weight(weight), name=name).place()
-            return nn.Parameter(TransposedExperts(q), requires_grad=False)
-        q = config.quantize_weight(weight, name=name)
-        if self._tp is not None:
-            q = self._tp.shard(name, q)
+            return nn.Parameter(TransposedExperts(q.place()), requires_grad=False)
         if decision.place:
             q = q.place()
         return nn.Parameter(q, requires_grad=False)

@@ -29,6 +29,7 @@ from torch import nn
 from ...core.errors import AOQError
 from ...core.tensor import AOQTensor
 from ...tensors import sharding
+from ...tensors.experts import TransposedExperts
 
 
 def _dtensor_type():
@@ -157,8 +158,13 @@ class TensorParallelLoad:
                 # DTensor a vocabulary shard masks them (aten.embedding in tensors.sharding).
                 continue
             for p in module._parameters.values():
-                if isinstance(p, DTensor) and isinstance(p.to_local(), AOQTensor):
+                if isinstance(p, DTensor) and isinstance(_stored(p.to_local()), AOQTensor):
                     module._hf_quantized_needs_local_tp = True
+
+
+def _stored(local):
+    """The quantized tensor under a stored_transposed view (TransposedExperts); else `local`."""
+    return local.experts if isinstance(local, TransposedExperts) else local
 
 
 def refuse_sharded_calibration(model: nn.Module) -> None:
@@ -173,7 +179,7 @@ def refuse_sharded_save(state: dict) -> None:
     """Saving gathers nothing: a model loaded sharded is saved from the single-process load."""
     DTensor = _dtensor_type()
     sharded = [k for k, v in state.items() if DTensor is not None and isinstance(v, DTensor)
-               and isinstance(v.to_local(), AOQTensor)]
+               and isinstance(_stored(v.to_local()), AOQTensor)]
     if sharded:
         raise AOQError(
             f"{sharded[0]} (and {len(sharded) - 1} more) are tensor-parallel shards of quantized weights; hf_aoq "
