@@ -163,6 +163,7 @@ def test_save_and_reload_with_no_user_action(gpt_oss_dir, ids, scheme, tmp_path)
 
 def test_torch_compile_fullgraph_matches_eager(gpt_oss_dir, ids):
     model = load(gpt_oss_dir, quantization_config=AOQConfig(SCHEMES["int4"]()), experts_implementation="grouped_mm")
+    check_layout(model, SCHEMES["int4"]())  # the transposed views, traced
     with torch.no_grad():
         eager = model(ids[:1]).logits.float()
         torch._dynamo.reset()
