@@ -15,6 +15,10 @@ Fused MoE experts (`is_fused_experts`: a 3-D float parameter of a module that is
 convolution, e.g. transformers' `mlp.experts.gate_up_proj`) count as weights in step 4: a single
 config takes them, FqnToConfig's regexes and "_default" reach them. Routers stay float unless
 named (they are 2-D weights of modules that are not nn.Linear).
+Experts stored [E, in, out] (`stored_in_by_out`: gpt-oss's, which compute x @ w[e]) are quantized
+as their transpose [E, out, in], groups along "in" as for every linear weight, and held as its
+`TransposedExperts` view (the module sees its own layout; x @ w[e], grouped_mm and bmm run the
+kernels): `Decision.transposed`.
 A parameter that is already quantized is left as it is. Parameters that are one tensor (tied
 weights) are planned once: they must all resolve to the same config (or all be left as they
 are), otherwise it is an AOQError; they are never silently untied.
@@ -30,6 +34,7 @@ from torch import nn
 from .configs import AOQBaseConfig, FqnToConfig
 from .core.errors import AOQError
 from .core.tensor import AOQTensor
+from .tensors.experts import TransposedExperts
 
 Predicate = Callable[[str, str], bool]  # (module name, parameter name) -> bool
 
@@ -42,6 +47,7 @@ class Decision:
     shape: tuple[int, ...]  # the parameter's shape when planned: a value of another shape is not it
     place: bool  # repack (place()) for the kernels: see placed_for_kernels
     tied: tuple[str, ...] = ()  # the tensor's other names, which get the same quantized tensor
+    transposed: bool = False  # quantize the [E, in, out] parameter's transpose: see stored_in_by_out
 
 
 def _parent(name: str) -> tuple[str, str]:
@@ -92,11 +98,32 @@ def is_fused_experts(module: nn.Module, param) -> bool:
     return param.ndim == 3 and param.is_floating_point() and not isinstance(module, nn.modules.conv._ConvNd)
 
 
+# Fused-experts modules that store their 3-D weights [E, in, out] and compute x @ w[e] (not
+# F.linear(x, w[e]) on [E, out, in]), by the qualified name of the class (or of a base class), with
+# the parameters stored that way. The layout cannot be told from the shapes (gpt-oss-20b's
+# down_proj is 2880 x 2880), so it is declared here per architecture; a module not listed keeps
+# its stored layout (quantized along its last dimension, run on the reference path).
+IN_BY_OUT_EXPERTS: dict[str, tuple[str, ...]] = {
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts": ("gate_up_proj", "down_proj"),
+}
+
+
+def stored_in_by_out(module: nn.Module, pname: str) -> bool:
+    """Whether parameter `pname` of `module` is fused experts stored [E, in, out] (IN_BY_OUT_EXPERTS)."""
+    for cls in type(module).__mro__:
+        names = IN_BY_OUT_EXPERTS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if names is not None:
+            return pname in names
+    return False
+
+
 def placed_for_kernels(model: nn.Module, names: Iterable[str]) -> bool:
     """Whether the tensor under `names` is repacked (place()) for the kernels: when linears
     alone read it, or when it is fused experts [E, out, in] (each expert packed as a linear's
-    weight; an experts module that says `is_transposed`, e.g. gpt-oss's [E, in, out], runs
-    x @ w[e] on the reference path instead, which reads the canonical layout as fast)."""
+    weight; an experts module that says `is_transposed`, e.g. gpt-oss's [E, in, out] as a
+    checkpoint without `stored_transposed` holds them, runs x @ w[e] on the reference path
+    instead, which reads the canonical layout as fast). The planner places the transposed
+    experts it makes itself (`Decision.transposed`)."""
     names = tuple(names)
     if reads_only_by_linear(model, names):
         return True
@@ -189,8 +216,11 @@ def plan(
                 )
         if chosen[source] is None or frozen & set(names):
             continue
+        module_name, pname = _parent(source)
+        transposed = len(shapes[source]) == 3 and stored_in_by_out(model.get_submodule(module_name), pname)
         decisions[source] = Decision(
-            chosen[source], shapes[source], placed_for_kernels(model, names), tuple(names[1:])
+            chosen[source], shapes[source], transposed or placed_for_kernels(model, names), tuple(names[1:]),
+            transposed,
         )
     return decisions
 
@@ -216,15 +246,23 @@ def quantize_(
 def carry_out(model: nn.Module, decisions: Mapping[str, Decision]) -> nn.Module:
     """Quantize each tensor of `decisions` (from `plan`) with its config, in place."""
     for name, decision in decisions.items():
-        q = decision.config.quantize_weight(model.get_parameter(name).detach(), name=name)
+        weight = model.get_parameter(name).detach()
+        q = decision.config.quantize_weight(transposed_weight(weight) if decision.transposed else weight, name=name)
         set_quantized(model, name, decision, q)
     return model
 
 
+def transposed_weight(weight):
+    """The [E, out, in] matrix a `Decision.transposed` parameter [E, in, out] is quantized as."""
+    return weight.transpose(-2, -1).contiguous()
+
+
 def set_quantized(model: nn.Module, name: str, decision: Decision, q: AOQTensor) -> None:
     """Put `q`, the quantized value of the planned tensor `name`, under every name of that tensor
-    (one parameter, so ties stay tied), placed for F.linear's kernels when linears alone read it."""
-    new_param = nn.Parameter(q.place() if decision.place else q, requires_grad=False)
+    (one parameter, so ties stay tied), placed for F.linear's kernels when linears alone read it;
+    a `Decision.transposed` one ([E, out, in]) as its transposed view, the module's layout."""
+    q = q.place() if decision.place else q
+    new_param = nn.Parameter(TransposedExperts(q) if decision.transposed else q, requires_grad=False)
     for n in (name, *decision.tied):
         module_name, leaf = _parent(n)
         setattr(model.get_submodule(module_name), leaf, new_param)

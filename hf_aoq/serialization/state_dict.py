@@ -35,12 +35,23 @@ def flatten_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str
             )
         if isinstance(value, AOQTensor):
             entries[name] = _flatten_one(name, value, registered, tensors, seen_storage, source)
+        elif _is_transposed_view(value):
+            raise error(source, "is a TransposedExperts view (fused experts stored as the transpose of the "
+                        "module's parameter), which a state dict file cannot record; save the quantized tensor "
+                        "under it (`.experts`) and wrap it again after loading, or save the model with "
+                        "save_pretrained (quantization_config.stored_transposed records it)", name)
         elif isinstance(value, torch.Tensor):
             _put(tensors, name, value.detach().to("cpu").contiguous(), source)
         else:
             raise error(source, f"expected a tensor, got {type(value).__name__}", name)
     header = {"format_version": FORMAT_VERSION, "hf_aoq_version": reader_version(), "tensors": entries}
     return tensors, {"format": "pt", METADATA_KEY: json.dumps(header, separators=(",", ":"))}
+
+
+def _is_transposed_view(value) -> bool:
+    from ..tensors.experts import TransposedExperts  # tensors import serialization's users: import late
+
+    return isinstance(value, TransposedExperts)
 
 
 def _flatten_one(name, value, registered, tensors, seen_storage, source) -> dict[str, Any]:

@@ -13,7 +13,10 @@ modeling_gpt_oss.py):
   - `w.transpose(-2, -1)` is a `TransposedExperts` view, which `torch._grouped_mm` /
     `F.grouped_mm` (the "grouped_mm" forward) and `torch.bmm` take, and `w.mT[ids]` gathers
     into another (gpt-oss's "batched_mm" forward, when its parameter is such a view: a
-    checkpoint's `stored_transposed` experts, hf_aoq.integrations.transformers.transposed);
+    checkpoint's `stored_transposed` experts, hf_aoq.integrations.transformers.transposed, or
+    experts the planner quantized transposed, hf_aoq.quantize.stored_in_by_out), and `w.mT[e]`
+    the 2-D view of expert e, with which `x @ w.mT[e]` is `F.linear(x, w[e])` (gpt-oss's eager
+    forward);
   - `torch.bmm(w[ids], x)` (the "batched_mm" forward) and `torch._grouped_mm(x, w, offs)` with w
     stored [E, K, N] (gpt-oss) run expert by expert.
 Expert by expert means one `kernels.linear` per expert that got tokens (an expert with none is
@@ -29,7 +32,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from .. import kernels
 from ..core.errors import AOQError
 from ..core.tensor import AOQTensor
-from .common import BlockGridTensor, _dequantized_call
+from .common import MATMUL_FUNCTIONS, BlockGridTensor, _dequantized_call
 
 aten = torch.ops.aten
 
@@ -109,15 +112,19 @@ def _index(func, types, args, kwargs):
 class TransposedExperts(torch.Tensor):
     """`w.transpose(-2, -1)` of a 3-D quantized experts tensor `w` [E, N, K]: shape [E, K, N],
     which grouped_mm and bmm take as their right operand. Made per forward, or held as the
-    parameter of a module whose stored tensor is its transpose (saving stores `experts`); any op
-    but those (transposing back, and gathering experts) runs on the dequantized transpose."""
+    parameter of a module whose stored tensor is its transpose (saving stores `experts`).
+    Indexing one expert gives the 2-D view of that expert ([K, N] over its [N, K] tensor), and
+    `x @ view` runs it as a linear (the fast kernels: gpt-oss's eager `x @ w[e]`). Any op but
+    those (transposing back, gathering experts, the matmul) runs on the dequantized transpose."""
 
     experts: AOQTensor
 
     @staticmethod
     def __new__(cls, experts: AOQTensor):
-        e, n, k = experts.shape
-        self = torch.Tensor._make_wrapper_subclass(cls, (e, k, n), dtype=experts.dtype, device=experts.device)
+        if len(experts.shape) not in (2, 3):
+            raise AOQError(f"TransposedExperts views a 2-D or 3-D quantized tensor, got shape {tuple(experts.shape)}")
+        *e, n, k = experts.shape
+        self = torch.Tensor._make_wrapper_subclass(cls, (*e, k, n), dtype=experts.dtype, device=experts.device)
         self.experts = experts
         return self
 
@@ -141,12 +148,16 @@ class TransposedExperts(torch.Tensor):
         impl = _OPS.get(func)
         if impl is not None:
             return impl(func, types, args, kwargs)
-        if func in _TRANSPOSES and _swaps_last_two(args, kwargs, 3):
-            return args[0].experts
-        if func is torch.Tensor.__getitem__ and _expert_ids(args[1]):  # w.mT[ids] is w[ids].mT (batched_mm)
-            return TransposedExperts(args[0].experts[args[1]])
-        if func is torch.Tensor.__getitem__ and _one_expert(args[1]):  # w.mT[e]: that expert alone, in float
-            return args[0].experts[int(args[1])].dequantize().transpose(-2, -1)
+        self = args[0] if args else None
+        ndim = len(self.experts.shape) if isinstance(self, TransposedExperts) else 0
+        if func in _TRANSPOSES and ndim and _swaps_last_two(args, kwargs, ndim):
+            return self.experts
+        if ndim == 3 and func is torch.Tensor.__getitem__ and _expert_ids(args[1]):  # w.mT[ids] is w[ids].mT
+            return TransposedExperts(self.experts[args[1]])
+        if ndim == 3 and func is torch.Tensor.__getitem__ and _one_expert(args[1]):  # w.mT[e] is w[e].mT
+            return TransposedExperts(self.experts[int(args[1])])
+        if func in MATMUL_FUNCTIONS and len(args) == 2 and not kwargs and _plain_times_view(*args):
+            return kernels.linear(args[0], args[1].experts, None)  # x @ w_e.T: a linear
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -155,11 +166,18 @@ class TransposedExperts(torch.Tensor):
         def plain(t):
             return t.experts.dequantize().transpose(-2, -1) if isinstance(t, TransposedExperts) else t
 
-        if func in (aten.detach.default, aten.alias.default):
+        if func in (aten.detach.default, aten.alias.default) or (
+                func is aten.view.default and tuple(args[1]) == tuple(args[0].shape)):  # DTensor.from_local's
             return TransposedExperts(args[0].experts)
         if func is aten._to_copy.default:  # .to(dtype / device), e.g. Module.to: the view of the moved tensor
             return TransposedExperts(aten._to_copy.default(args[0].experts, **(kwargs or {})))
         return func(*[plain(a) for a in args], **{k: plain(v) for k, v in (kwargs or {}).items()})
+
+
+def _plain_times_view(x, w) -> bool:
+    """x @ w for a float x (one row or more) and the 2-D view of one expert."""
+    return (isinstance(w, TransposedExperts) and len(w.experts.shape) == 2 and isinstance(x, torch.Tensor)
+            and not isinstance(x, (AOQTensor, TransposedExperts)) and x.ndim >= 2 and x.is_floating_point())
 
 
 def _expert_ids(index) -> bool:

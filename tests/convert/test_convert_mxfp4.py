@@ -251,8 +251,8 @@ def test_aoq_config_round_trips_stored_transposed():
 
 
 def test_the_transposed_view_indexes_like_the_float_parameter():
-    """gpt-oss's forwards index the [E, in, out] parameter: one expert (eager: that expert alone is
-    dequantized), or a 1-D list of experts (batched_mm: still a quantized view)."""
+    """gpt-oss's forwards index the [E, in, out] parameter: one expert (eager: the 2-D view of that
+    expert, which x @ runs as a linear), or a 1-D list of experts (batched_mm: still a quantized view)."""
     blocks, scales = packed((3, 64, 32), 5)
     t = mx_from_blocks(blocks, scales, torch.bfloat16, "w")
     view = TransposedExperts(t)
@@ -260,7 +260,7 @@ def test_the_transposed_view_indexes_like_the_float_parameter():
     assert view.shape == want.shape
     for index in (1, torch.tensor(2), torch.tensor(0, dtype=torch.int32)):
         got = view[index]
-        assert type(got) is torch.Tensor and torch.equal(got, want[int(index)])
+        assert isinstance(got, TransposedExperts) and got.shape == (64, 32) and torch.equal(got, want[int(index)])
     gathered = view[torch.tensor([2, 0, 2])]
     assert isinstance(gathered, TransposedExperts) and gathered.shape == (3, 64, 32)
     assert torch.equal(gathered.experts.dequantize().transpose(1, 2), want[[2, 0, 2]])

@@ -36,6 +36,7 @@ from hf_aoq import (
     Int8Tensor,
     Int8WeightOnlyConfig,
 )
+from hf_aoq.tensors.experts import TransposedExperts
 
 VOCAB = 256
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB)
@@ -79,8 +80,13 @@ def logits(model, ids):
         return model(ids).logits
 
 
+def unwrap(p):
+    """gpt-oss's experts are the TransposedExperts view of the quantized [E, out, in] tensor."""
+    return p.experts if isinstance(p, TransposedExperts) else p
+
+
 def experts_of(model):
-    return {n: p for n, p in model.named_parameters() if ".experts." in n and p.ndim == 3}
+    return {n: unwrap(p) for n, p in model.named_parameters() if ".experts." in n and p.ndim == 3}
 
 
 def test_experts_are_quantized_and_routers_stay_float(moe, ids):
@@ -107,7 +113,7 @@ def test_every_experts_implementation_runs_on_quantized_experts(moe, ids, implem
     out = logits(model, ids)
     # The same model with every quantized weight dequantized, run in float.
     model.dequantize()
-    assert not any(isinstance(p, AOQTensor) for p in model.parameters())
+    assert not any(isinstance(unwrap(p), AOQTensor) for p in model.parameters())
     want = logits(model, ids)
     assert sqnr(want, out) > 30, implementation
 
@@ -124,12 +130,12 @@ def test_round_trip_through_shards_keeps_logits(moe, ids, tmp_path):
     assert f"model.layers.0.{mlp}.experts.gate_up_proj:qdata" in index
     assert not any(".experts.0." in k for k in index)
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path))
-    kinds = {n: type(p) for n, p in again.named_parameters() if isinstance(p, AOQTensor)}
-    assert kinds == {n: type(p) for n, p in model.named_parameters() if isinstance(p, AOQTensor)}
+    kinds = {n: type(unwrap(p)) for n, p in again.named_parameters() if isinstance(unwrap(p), AOQTensor)}
+    assert kinds == {n: type(unwrap(p)) for n, p in model.named_parameters() if isinstance(unwrap(p), AOQTensor)}
     assert kinds["model.layers.1.mlp.experts.down_proj"] is Int8Tensor
     assert kinds["model.layers.1.mlp.experts.gate_up_proj"] is Int4Tensor
     for n, p in experts_of(model).items():
-        q = again.get_parameter(n)
+        q = unwrap(again.get_parameter(n))
         assert q.packing == p.packing, n  # placed for the kernels again
         assert torch.equal(q.dequantize(), p.dequantize()), n
     assert torch.equal(logits(again, ids), expected)

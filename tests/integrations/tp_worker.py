@@ -76,7 +76,8 @@ def run_case(case, rank):
     params = {}
     for name, p in model.named_parameters():
         local = _local(p.data if isinstance(p, torch.nn.Parameter) else p)
-        params[name] = {"type": type(local).__name__, "shape": list(local.shape),
+        stored = getattr(local, "experts", local)  # gpt-oss's experts: the TransposedExperts view of it
+        params[name] = {"type": type(stored).__name__, "shape": list(local.shape),
                         "global": list(p.shape)}
     record = {"ok": True, "logits": logits.float().tolist(), "params": params,
               "grad_logits_equal": bool(torch.equal(with_grad.detach(), logits)),

@@ -236,3 +236,26 @@ def test_the_loader_refuses_inconsistent_3d_fields(case, message, tmp_path):
         changes = {"qdata": t.qdata[None], "scale": t.scale[None], "shape": (1, E, N, K), "block_size": (1, 1, 1, K)}
     with pytest.raises(FormatError, match=rf"tensor 'experts.w', .*{message}"):
         _stored(t, tmp_path, **changes)
+
+
+def test_one_expert_of_the_transposed_view_runs_x_at_it_as_a_linear(scheme, monkeypatch):
+    # gpt-oss's eager forward: x @ w[e] on its [E, in, out] parameter, here the view of [E, out, in].
+    from hf_aoq import kernels
+
+    _, make = scheme
+    t = make(weight()).place()
+    view = TransposedExperts(t)
+    picked = []
+    select = kernels.select_kernel
+    monkeypatch.setattr(kernels, "select_kernel", lambda op, x, w: picked.append(select(op, x, w)) or picked[-1])
+    x = torch.randn(5, K, dtype=torch.bfloat16)
+    for index in (2, torch.tensor(2), torch.tensor(-1, dtype=torch.int32)):
+        w_e = view[index]
+        e = int(index) % E
+        assert isinstance(w_e, TransposedExperts) and w_e.shape == (K, N)
+        assert torch.equal(w_e, t[e].dequantize().t())  # any other op: the float transpose
+        picked.clear()
+        assert torch.equal(x @ w_e, F.linear(x, t[e]))  # the same kernel as the linear
+        assert len(picked) == 2 and picked[0] is picked[1]
+        assert w_e.transpose(0, 1) is not None and w_e.transpose(0, 1).shape == (N, K)
+    assert torch.equal(torch.matmul(x[0], view[1]), x[0] @ t[1].dequantize().t())  # one row: the float path

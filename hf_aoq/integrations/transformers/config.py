@@ -68,8 +68,9 @@ class AOQConfig(QuantizationConfigMixin):
     stored_transposed        names of 3-D parameters stored as the transpose of the model's (a
                              quantized [E, out, in] for gpt-oss's [E, in, out] experts: what
                              `hf-aoq convert` makes of transformers' Mxfp4 checkpoints, whose MX
-                             blocks run along "in"); they load as the transposed view
-                             (hf_aoq.tensors.experts.TransposedExperts)
+                             blocks run along "in", and what quantize-on-load sets for the
+                             experts hf_aoq.quantize.stored_in_by_out names); they load as the
+                             transposed view (hf_aoq.tensors.experts.TransposedExperts)
     """
 
     def __init__(

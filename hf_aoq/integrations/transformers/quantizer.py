@@ -20,7 +20,8 @@ from ...core import memory
 from ...core.errors import AOQError, FormatError
 from ...core.registry import DTYPES, tensor_type
 from ...core.tensor import AOQTensor
-from ...quantize import Decision, placed_for_kernels, plan, tie_groups
+from ...tensors.experts import TransposedExperts
+from ...quantize import Decision, placed_for_kernels, plan, tie_groups, transposed_weight
 from .config import AOQConfig
 from .ops import AOQLoad, AOQQuantize, _parent, _storage_key
 from .renames import guard_conversions, load_renaming, stored_names
@@ -140,6 +141,11 @@ class AOQHfQuantizer(HfQuantizer):
             embeddings=embeddings if config.include_embeddings else (),
             ties=getattr(model, "all_tied_weights_keys", None) or {},
         )
+        # Experts stored [E, in, out] (quantize.stored_in_by_out) are quantized as their transpose
+        # and load back as its view: config.json lists them.
+        transposed = {n for n, d in self._plan.items() if d.transposed}
+        if transposed:
+            config.stored_transposed = sorted(set(config.stored_transposed or ()) | transposed)
         sizes: dict[tuple, int] = {}
         for name, decision in self._plan.items():
             param = model.get_parameter(name)
@@ -152,6 +158,8 @@ class AOQHfQuantizer(HfQuantizer):
             # Only a tie's source is read from the checkpoint; tie_weights shares it afterwards.
             self._configs[name] = cfg
             matrix = tuple(param.shape[-2:])  # fused experts: E matrices, each quantized as a 2-D weight
+            if decision.transposed:
+                matrix = matrix[::-1]
             key = (cfg, matrix, param.dtype)
             if key not in sizes:
                 sizes[key] = _quantized_nbytes(cfg, matrix, param.dtype, name)
@@ -277,10 +285,13 @@ class AOQHfQuantizer(HfQuantizer):
         if tuple(weight.shape) != self._plan[name].shape:
             self._mismatched.add(name)
             return weight
-        q = config.quantize_weight(weight, name=name)
-        if self._tp is not None:
-            q = self._tp.shard(name, q)
-        if name in self._linear_only:
+        decision = self._plan[name]
+        q = config.quantize_weight(transposed_weight(weight) if decision.transposed else weight, name=name)
+        if self._tp is not None:  # stored transposed: whole experts only (expert parallelism)
+            q = self._tp.shard(name, q, transposed=decision.transposed)
+        if decision.transposed:
+            return nn.Parameter(TransposedExperts(q.place()), requires_grad=False)
+        if decision.place:
             q = q.place()
         return nn.Parameter(q, requires_grad=False)
 
@@ -289,16 +300,16 @@ class AOQHfQuantizer(HfQuantizer):
         if entry is None:
             raise FormatError(f"{self._source}: {name} is stored as quantized fields no hf_aoq metadata describes")
         tensor = entry.build(fields, source=self._source)
-        if self._tp is not None:
-            tensor = self._tp.shard(name, tensor)
-        dtype = model.get_parameter(name).dtype
         transposed = name in (self.quantization_config.stored_transposed or ())
+        if self._tp is not None:
+            tensor = self._tp.shard(name, tensor, transposed=transposed)
+        dtype = model.get_parameter(name).dtype
         if self.quantization_config.dequantize:
             return stored_transposed.dequantized(tensor, dtype) if transposed else tensor.dequantize(dtype)
         if dtype.is_floating_point and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
         if transposed:
-            return stored_transposed.as_parameter(tensor, name, sharded=self._tp is not None and name in self._tp.targets)
+            return stored_transposed.as_parameter(tensor, name)
         if name in self._linear_only:
             tensor = tensor.place()
         return nn.Parameter(tensor, requires_grad=False)

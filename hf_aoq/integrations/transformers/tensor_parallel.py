@@ -29,6 +29,7 @@ from torch import nn
 from ...core.errors import AOQError
 from ...core.tensor import AOQTensor
 from ...tensors import sharding
+from ...tensors.experts import TransposedExperts
 
 
 def _dtensor_type():
@@ -89,14 +90,21 @@ def probe_layout(config, shape: tuple[int, ...], dtype: torch.dtype, name: str) 
         return config.quantize_weight(probe, name=name)
 
 
-def local_shard(tensor: AOQTensor, param, name: str) -> AOQTensor:
+def local_shard(tensor: AOQTensor, param, name: str, *, transposed: bool = False) -> AOQTensor:
     """This rank's part of the whole quantized weight `tensor`, cut as the DTensor placeholder
-    `param` is sharded; an AOQError naming `name` if the cut would split a group."""
-    if tuple(tensor.shape) != tuple(param.shape):
+    `param` is sharded; an AOQError naming `name` if the cut would split a group. `transposed`:
+    `tensor` is stored as the transpose of the 3-D parameter (stored_transposed experts), which
+    only expert parallelism (dim 0, whole experts) may cut."""
+    want = tuple(param.shape)[:-2] + tuple(param.shape)[:-3:-1] if transposed else tuple(param.shape)
+    if tuple(tensor.shape) != want:
         raise AOQError(f"{name}: a quantized weight of shape {tuple(tensor.shape)} for a parameter of "
                        f"shape {tuple(param.shape)}")
+    ranges = _ranges(param, name)
+    if transposed and set(ranges) - {0}:
+        raise AOQError(f"{name} is stored transposed (quantization_config.stored_transposed); hf_aoq shards such "
+                       f"tensors by whole experts only (expert parallelism), not along dims {sorted(set(ranges) - {0})}")
     out = tensor.to_canonical()
-    for dim, intervals in _ranges(param, name).items():
+    for dim, intervals in ranges.items():
         for start, end in intervals:
             sharding.check_cut(out, dim, start, end, name)
         pieces = [out.slice_fields(dim, start, end) for start, end in intervals]
@@ -133,9 +141,9 @@ class TensorParallelLoad:
                 self.targets[name] = value
                 state_dict[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
 
-    def shard(self, name: str, tensor: AOQTensor) -> AOQTensor:
+    def shard(self, name: str, tensor: AOQTensor, *, transposed: bool = False) -> AOQTensor:
         target = self.targets.get(name)
-        return tensor if target is None else local_shard(tensor, target, name)
+        return tensor if target is None else local_shard(tensor, target, name, transposed=transposed)
 
     def finish(self, model: nn.Module) -> None:
         """Stop hiding placeholders; have every module holding a quantized shard run its forward
@@ -150,8 +158,13 @@ class TensorParallelLoad:
                 # DTensor a vocabulary shard masks them (aten.embedding in tensors.sharding).
                 continue
             for p in module._parameters.values():
-                if isinstance(p, DTensor) and isinstance(p.to_local(), AOQTensor):
+                if isinstance(p, DTensor) and isinstance(_stored(p.to_local()), AOQTensor):
                     module._hf_quantized_needs_local_tp = True
+
+
+def _stored(local):
+    """The quantized tensor under a stored_transposed view (TransposedExperts); else `local`."""
+    return local.experts if isinstance(local, TransposedExperts) else local
 
 
 def refuse_sharded_calibration(model: nn.Module) -> None:
@@ -166,7 +179,7 @@ def refuse_sharded_save(state: dict) -> None:
     """Saving gathers nothing: a model loaded sharded is saved from the single-process load."""
     DTensor = _dtensor_type()
     sharded = [k for k, v in state.items() if DTensor is not None and isinstance(v, DTensor)
-               and isinstance(v.to_local(), AOQTensor)]
+               and isinstance(_stored(v.to_local()), AOQTensor)]
     if sharded:
         raise AOQError(
             f"{sharded[0]} (and {len(sharded) - 1} more) are tensor-parallel shards of quantized weights; hf_aoq "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...core.errors import AOQError, FormatError
+from ...core.errors import FormatError
 from ...core.tensor import AOQTensor
 from ...tensors.experts import TransposedExperts
 
@@ -40,10 +40,9 @@ def check_listed(transposed, stored: set[str], source: str) -> None:
                           f"checkpoint does not store as a quantized tensor")
 
 
-def as_parameter(tensor: AOQTensor, name: str, *, sharded: bool) -> nn.Parameter:
-    if sharded:
-        raise AOQError(f"{name} is stored transposed (quantization_config.stored_transposed); hf_aoq does not "
-                       f"shard such tensors with a tp_plan: load the checkpoint without one")
+def as_parameter(tensor: AOQTensor, name: str) -> nn.Parameter:
+    """The module's parameter: the view of `tensor` (the whole one, or this rank's experts under
+    expert parallelism, tensor_parallel.local_shard)."""
     return nn.Parameter(TransposedExperts(tensor.place()), requires_grad=False)
 
 
