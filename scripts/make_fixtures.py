@@ -280,6 +280,10 @@ def state_dicts_nvfp4() -> dict[str, dict[str, torch.Tensor]]:
             "experts_e3_k48_bf16": NVFP4Tensor.from_float(experts, "nvfp4"),
             # Zero blocks of both signs, tiny blocks whose scale clamps at 2^-6, an ordinary block.
             "special_f32": NVFP4Tensor.from_float(special),
+        },
+    }
+
+
 def state_dicts_fpx() -> dict[str, dict[str, torch.Tensor]]:
     # An all-zero row, a row of float16's tiniest scale (2^-24), -0 and a negative that rounds to -0.
     special = torch.cat([torch.zeros(1, 40), torch.full((1, 40), 1e-7), weight(56, 6, 40, F32)])

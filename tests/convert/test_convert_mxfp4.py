@@ -154,8 +154,8 @@ def test_the_converted_model_gives_transformers_dequantized_logits(mxfp4_dir, co
 
     out, _ = converted
     calls = []
-    original = cpu_mx.mxfp4_linear_io
-    monkeypatch.setattr(cpu_mx, "mxfp4_linear_io", lambda *a: calls.append(1) or original(*a))
+    original = cpu_mx.mx_linear_io
+    monkeypatch.setattr(cpu_mx, "mx_linear_io", lambda *a: calls.append(1) or original(*a))
     ref = transformers_dequantized(mxfp4_dir, experts_implementation=impl)
     model = AutoModelForCausalLM.from_pretrained(out, experts_implementation=impl)
     w = model.model.layers[0].mlp.experts.gate_up_proj

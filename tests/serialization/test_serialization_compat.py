@@ -63,8 +63,10 @@ def test_fixtures_are_never_regenerated():
         for name, digest in ((file, info["sha256"]), (info["expected"], info["expected_sha256"])):
             assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == digest, name
     assert all(m["format_version"] == 1 for m in MANIFESTS.values())
+    # The fixtures stay small (they are cloned with every checkout): 1 MB for every generation so far
+    # (12 tensor-type generations, ~620 kB after MX 3-D, NVFP4, FPx and 2:4 sparse float8 came in).
     total = sum(p.stat().st_size for p in FIXTURES.iterdir())
-    assert total < 500_000
+    assert total < 1_000_000
 
 
 @pytest.mark.parametrize("file", FILES)
