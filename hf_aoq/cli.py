@@ -45,6 +45,10 @@ SCHEMES = {
                  "runs: 4.125 bits/weight",
     "fp8-static": "float8 e4m3 weights (a scale per tensor) x activations quantized to float8 with a fixed scale "
                   "per layer that --calibration FILE chooses (required): 8.0 bits/weight",
+    "int2-asym": "int2 with a zero as well as a scale per group (asymmetric): 3.0 bits/weight at g32 (2.5 at g64)",
+    "int3-asym": "int3, asymmetric: 4.0 bits/weight at g32, 3.5 at g64, 3.25 at g128",
+    "int5-asym": "int5, asymmetric: 6.0 bits/weight at g32",
+    "int6-asym": "int6, asymmetric: 7.0 bits/weight at g32",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())

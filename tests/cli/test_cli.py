@@ -93,6 +93,8 @@ def test_each_scheme_name_builds_its_config(scheme, tmp_path):
         "fp8-int4": hf_aoq.Float8DynamicActivationInt4WeightConfig(group_size=128),
         "int4-int4": hf_aoq.Int4DynamicActivationInt4WeightConfig(group_size=128),
         "fp8-static": hf_aoq.Float8StaticActivationFloat8WeightConfig(scale=None),
+        **{f"int{b}-asym": hf_aoq.IntxWeightOnlyConfig(getattr(torch, f"int{b}"), hf_aoq.PerGroup(32), "asymmetric")
+           for b in (2, 3, 5, 6)},
     }[scheme]
     assert cfg == expected
     if scheme == "fp8-static":  # its scales come from calibration text, which it needs
