@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_aoq import AOQError, Int4DQTensor, Int4Tensor, Int8Tensor, kernels
+from hf_aoq.kernels import cpu_ext
 from hf_aoq.kernels.registry import _PACKINGS
 from hf_aoq.serialization import load_file, save_file
 from hf_aoq.tensors.common import with_input_scale
@@ -65,11 +66,15 @@ def test_every_kernel_row_computes_x_over_s_times_the_codes(kind, dtype, monkeyp
                 torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
                 ran.add((row.name, w.packing))
                 monkeypatch.undo()
-    assert ("reference", None) in ran and len(ran) >= 2, ran  # the reference and at least one fast row
+    assert ("reference", None) in ran, ran
+    if cpu_ext.available() or type(q) is Int4Tensor:  # Int4DQ's only fast CPU row is the extension's
+        assert len(ran) >= 2, ran
 
 
 @pytest.mark.parametrize("kind", sorted(TYPES))
 def test_compiled_forward_equals_eager(kind):
+    if "dq" in kind and not cpu_ext.available():  # as tests/kernels/test_kernel_table.py
+        pytest.xfail("Int4DQTensor.dequantize indexes a module-level tensor (LUT), which torch.compile refuses")
     q, inner, s = scaled_weight(kind, torch.bfloat16)
     w = q.place()
     assert w.input_scale is not None
