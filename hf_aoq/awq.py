@@ -1,4 +1,5 @@
-"""Activation-aware scales for 4-bit weights (AWQ-style), folded into llama-style blocks.
+"""Activation-aware scales for 4-bit weights (AWQ-style), folded into llama-style blocks, or
+stored with the weight (its `input_scale`) where no fold is possible.
 
 Input channels whose activations are large matter more to a linear's output than the rest; a
 weight quantized as W * s (s larger on those channels) and fed x / s keeps their columns more
@@ -14,6 +15,10 @@ plain round-to-nearest int4 with the config's group size and symmetry and each g
 (both configs' parameter searches cost seconds per weight, 11 candidates x 7 weights x every
 block); alpha = 0 (no scaling) is always a candidate. The weights are then quantized by their
 own configs (Int4WeightOnlyConfig, Int4DQWeightOnlyConfig) as usual: same tensors, same size.
+A linear whose scales cannot fold (a pair hf_aoq.channel_scales' check rejects, every linear of a
+block that is not llama-style) gets scales chosen the same way on its own input, and stores them:
+its codes hold Q(W * s) and its `input_scale` s makes the forward (x / s) @ Q(W * s)^T, at K
+float32 numbers more per weight.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class AWQ:
     """The scale method of `quantize_with_awq` (see the module docstring)."""
 
     name = "awq"
+    stores_scales = True
 
     def __init__(self, alphas: Iterable[float] = ALPHAS):
         self.alphas = tuple(alphas)
@@ -58,7 +64,7 @@ class AWQ:
             if best_err is None or err < best_err:
                 best, best_err = (s, alpha), err
         s, alpha = best
-        return s, {"pair": pair.producer, "alpha": alpha, "error_ratio": best_err / max(errors[0], 1e-30)}
+        return s, {"pair": pair.key, "stored": pair.stored, "alpha": alpha, "error_ratio": best_err / max(errors[0], 1e-30)}
 
 
 def output_error(weight: torch.Tensor, k_scales: torch.Tensor, config, gram: torch.Tensor, *, name="weight") -> float:
@@ -98,7 +104,8 @@ def quantize_with_awq(
     log: Callable[[str], None] | None = None,
     alphas: Iterable[float] = ALPHAS,
 ) -> ScaleReport:
-    """Quantize `model` in place like `quantize_(model, config, filter_fn)`, with AWQ scales
-    folded in front of every int4 / Int4DQ linear of its llama-style blocks, chosen on `batches`
-    (token id tensors [B, T]). Blocks that are not llama-style are refused (AOQError)."""
+    """Quantize `model` in place like `quantize_(model, config, filter_fn)`, with AWQ scales in
+    front of every int4 / Int4DQ linear of its numbered decoder blocks, chosen on `batches`
+    (token id tensors [B, T]): folded into the previous norm or linear where the block allows,
+    stored as the weight's input_scale elsewhere (report.stored names those weights)."""
     return quantize_with_scales(model, config, batches, AWQ(alphas), filter_fn=filter_fn, log=log)

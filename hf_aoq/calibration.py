@@ -265,7 +265,12 @@ def _record_inputs(model, first_layer, batches) -> list[tuple[tuple, dict]]:
     try:
         for ids in batches:
             try:
-                model(ids, use_cache=False)
+                try:
+                    model(ids, use_cache=False)
+                except TypeError as e:  # a plain nn.Module that takes no use_cache
+                    if "use_cache" not in str(e):
+                        raise
+                    model(ids)
             except _Stop:
                 pass
     finally:

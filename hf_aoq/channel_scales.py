@@ -14,10 +14,14 @@ produces x channel by channel, so its output channels can be divided by s in its
                                                                     act(gate) * up)
 
 The pairs are found by name and shape, and every block is then checked by running a float32 copy
-of it before and after folding random scales: a block in which the fold does not leave the output
-unchanged (a norm computing (1 + weight), an MLP without the product) is refused with an AOQError
-before anything in the model changes. Nothing is stored beside the weights: the checkpoint has the
-same tensors and the same size as without calibration.
+of it before and after folding random scales: a pair whose fold does not leave the output
+unchanged (a norm computing (1 + weight), an MLP without the product) cannot fold. What happens to
+its consumers, and to every linear of a block that is not llama-style, is the method's choice:
+a method with `stores_scales` (AWQ) chooses scales for each such linear on its own input and
+stores them with the weight (Int4Tensor / Int4DQTensor `input_scale`: the codes hold W * s and the
+forward divides its input by s; docs/format.md); one without (SmoothQuant, whose Int8Tensor has no
+such field) refuses the block with an AOQError before anything in the model changes. Folded
+scales add nothing to the checkpoint; stored ones add K float32 numbers to a weight.
 
 `quantize_with_scales(model, config, batches, method)` records block 0's inputs, then per block:
 runs it on its inputs (quantized blocks before it) while `method.collect` summarises each pair's
@@ -37,6 +41,7 @@ from torch import nn
 from .configs import AOQBaseConfig, FqnToConfig
 from .core.errors import AOQError
 from .quantize import Decision, carry_out, plan, set_quantized
+from .tensors.common import with_input_scale
 
 # Relative error allowed between a float32 block and the same block with random scales folded in:
 # float32 rounding is about 1e-6; a fold that is wrong is off by tens of percent.
@@ -48,10 +53,19 @@ class ScalePair:
     """One place to fold scales: `producer` (a norm or a linear) divides its output channels,
     the `consumers` (linear names within the block) multiply their input columns."""
 
-    producer: str  # name within the block, e.g. "input_layernorm" or "self_attn.v_proj"
+    producer: str  # name within the block, e.g. "input_layernorm" or "self_attn.v_proj"; "" = stored
     consumers: tuple[str, ...]
     repeat: int = 1  # query heads per KV head (v_proj -> o_proj); 1 elsewhere
     head_dim: int = 0
+
+    @property
+    def stored(self) -> bool:
+        """No producer can absorb the scales: the one consumer keeps them as its input_scale."""
+        return not self.producer
+
+    @property
+    def key(self) -> str:
+        return self.producer or f"{self.consumers[0]} (stored)"
 
     def expand(self, s: torch.Tensor) -> torch.Tensor:
         """The consumers' input scales [K] from the producer's output scales [C]."""
@@ -69,6 +83,7 @@ class ScalePair:
 
 class ScaleMethod(Protocol):
     name: str
+    stores_scales: bool  # True: linears whose scales cannot fold keep them as input_scale
 
     def accepts(self, config: AOQBaseConfig) -> bool: ...
     def collect(self, x: torch.Tensor, state): ...  # x [T, K] float32; returns the new state
@@ -86,10 +101,12 @@ class ScaleReport:
     layers: int = 0
     calibrated: list[str] = field(default_factory=list)
     pairs: int = 0
+    stored: list[str] = field(default_factory=list)  # weights that keep their scales as input_scale
     choices: list = field(default_factory=list)  # per pair, what `choose` reported (e.g. AWQ's alpha)
 
     def summary(self) -> str:
-        return (f"{self.method}: folded scales into {self.pairs} places of {self.layers} blocks for "
+        stored = f", stored them with {len(self.stored)} weights" if self.stored else ""
+        return (f"{self.method}: folded scales into {self.pairs} places of {self.layers} blocks{stored} for "
                 f"{len(self.calibrated)} weights on {self.tokens} tokens in {self.seconds:.1f} s")
 
 
@@ -153,23 +170,32 @@ def _scale_rows(module: nn.Module, r: torch.Tensor) -> None:
         bias.data = (bias.data.float() * r.to(bias.device)).to(bias.dtype)
 
 
-def check_folds(block: nn.Module, pairs: list[ScalePair], inputs: tuple[tuple, dict], where: str) -> None:
-    """Refuse a block in which folding scales changes what it computes (float32, random scales)."""
+def check_folds(block: nn.Module, pairs: list[ScalePair], inputs: tuple[tuple, dict], where: str,
+                *, refuse: bool = True) -> list[ScalePair]:
+    """The pairs whose folds leave the block's output unchanged (float32, random scales, folded one
+    after another); with `refuse`, an AOQError at the first that does not."""
     args, kwargs = _as_float32(inputs)
     probe = copy.deepcopy(block).float()
+    kept = []
     with torch.no_grad():
         before = _hidden(probe(*args, **kwargs))
         g = torch.Generator().manual_seed(0)
         for pair in pairs:
             c = probe.get_submodule(pair.producer).weight.shape[0]
-            fold(probe, pair, torch.exp(torch.randn(c, generator=g) * 0.5).to(before.device))
+            s = torch.exp(torch.randn(c, generator=g) * 0.5).to(before.device)
+            fold(probe, pair, s)
             after = _hidden(probe(*args, **kwargs))
             err = (after - before).norm() / before.norm().clamp(min=1e-30)
+            if not err <= _FOLD_TOLERANCE and not refuse:
+                fold(probe, pair, 1.0 / s)  # undone: the next pairs are checked without it
+                continue
             if not err <= _FOLD_TOLERANCE:
                 raise AOQError(f"{where}: folding scales from {pair.producer} into {', '.join(pair.consumers)} "
                                f"changes the block's output (relative error {float(err):.2g}): this block is not "
                                "llama-style there; use calibration_method='gptq' or no calibration")
+            kept.append(pair)
             before = after
+    return kept
 
 
 def _as_float32(inputs):
@@ -219,18 +245,21 @@ def quantize_with_scales(
     with torch.no_grad():
         for prefix, by_index in by_block.items():
             layers = model.get_submodule(prefix)
-            pairs = {i: llama_pairs(layers[i], f"{prefix}.{i}") for i in by_index}
             inputs = _record_inputs(model, layers[0], batches)
-            for i, ps in pairs.items():  # every block checked before any changes
-                check_folds(layers[i], ps, inputs[0], f"{prefix}.{i}")
+            # Every block checked before any changes.
+            pairs = {i: block_pairs(layers[i], f"{prefix}.{i}", local, inputs[0], method.stores_scales)
+                     for i, local in by_index.items()}
             for i in range(len(layers)):
                 local = by_index.get(i, {})
                 if local:
-                    _calibrate_block(layers[i], pairs[i], local, inputs, method, report)
+                    stored = _calibrate_block(layers[i], pairs[i], local, inputs, method, report)
                     for name, d in local.items():
                         full = f"{prefix}.{i}.{name}.weight"
-                        set_quantized(model, full, d, d.config.quantize_weight(
-                            layers[i].get_submodule(name).weight.data, name=full))
+                        q = d.config.quantize_weight(layers[i].get_submodule(name).weight.data, name=full)
+                        if name in stored:
+                            q = with_input_scale(q, stored[name], name=full)
+                            report.stored.append(full.removesuffix(".weight"))
+                        set_quantized(model, full, d, q)
                         done.add(full)
                         report.calibrated.append(full.removesuffix(".weight"))
                     report.layers += 1
@@ -244,8 +273,27 @@ def quantize_with_scales(
     return report
 
 
-def _calibrate_block(block, pairs, local, inputs, method, report) -> None:
-    """Collect each pair's input statistics on the float block, choose and fold its scales."""
+def block_pairs(block: nn.Module, where: str, local: dict, inputs, stores: bool) -> list[ScalePair]:
+    """The block's foldable pairs, and (when the method `stores` scales) one stored pair for
+    every planned linear no kept pair covers; without `stores`, an AOQError for a block or pair
+    that cannot fold."""
+    try:
+        pairs = llama_pairs(block, where)
+    except AOQError:
+        if not stores:
+            raise
+        pairs = []
+    pairs = check_folds(block, pairs, inputs, where, refuse=not stores) if pairs else []
+    if stores:
+        covered = {c for p in pairs for c in p.consumers}
+        pairs += [ScalePair("", (name,)) for name in local if name not in covered
+                  and isinstance(block.get_submodule(name), nn.Linear)]
+    return pairs
+
+
+def _calibrate_block(block, pairs, local, inputs, method, report) -> dict[str, torch.Tensor]:
+    """Collect each pair's input statistics on the float block, choose its scales, fold them (or
+    scale a stored pair's weight); returns {linear name: its input_scale} for the stored ones."""
     states: dict[str, object] = {}
     live = [p for p in pairs if any(c in local for c in p.consumers)]
 
@@ -255,7 +303,7 @@ def _calibrate_block(block, pairs, local, inputs, method, report) -> None:
             states[key] = method.collect(x, states.get(key))
         return hook
 
-    handles = [block.get_submodule(p.consumers[0]).register_forward_pre_hook(hook_for(p.producer)) for p in live]
+    handles = [block.get_submodule(p.consumers[0]).register_forward_pre_hook(hook_for(p.key)) for p in live]
     try:
         for a, k in inputs:
             block(*a, **k)
@@ -266,10 +314,17 @@ def _calibrate_block(block, pairs, local, inputs, method, report) -> None:
     for p in live:
         names = [c for c in p.consumers if c in local]
         weights = {c: block.get_submodule(c).weight.data for c in names}
-        s, info = method.choose(p, weights, {c: local[c].config for c in names}, states[p.producer])
+        s, info = method.choose(p, weights, {c: local[c].config for c in names}, states[p.key])
         chosen.append((p, s))
         report.choices.append(info)
     # Folding after every choice: each pair was chosen on the float block's own activations.
+    stored = {}
     for p, s in chosen:
+        if p.stored:
+            w = block.get_submodule(p.consumers[0]).weight
+            w.data = (w.data.float() * s.to(w.device)).to(w.dtype)
+            stored[p.consumers[0]] = s
+            continue
         fold(block, p, s)
         report.pairs += 1
+    return stored

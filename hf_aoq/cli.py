@@ -53,6 +53,10 @@ SCHEMES = {
     "fp8-sparse": "2:4 sparse float8: in every 4 weights along the input the 2 largest kept (e4m3, a scale per "
                   "row, 2-bit positions), activations quantized to float8 e4m3 per token as the model runs: "
                   "5.0 bits/weight. Pruned without retraining: expect a large accuracy loss",
+    "int2-asym": "int2 with a zero as well as a scale per group (asymmetric): 3.0 bits/weight at g32 (2.5 at g64)",
+    "int3-asym": "int3, asymmetric: 4.0 bits/weight at g32, 3.5 at g64, 3.25 at g128",
+    "int5-asym": "int5, asymmetric: 6.0 bits/weight at g32",
+    "int6-asym": "int6, asymmetric: 7.0 bits/weight at g32",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())

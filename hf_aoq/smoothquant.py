@@ -28,6 +28,7 @@ class SmoothQuant:
     """The scale method of `quantize_with_smoothquant` (see the module docstring)."""
 
     name = "smoothquant"
+    stores_scales = False  # Int8Tensor has no input_scale: a pair that cannot fold is refused
 
     def __init__(self, alphas: Iterable[float] = ALPHAS, sample_rows: int = SAMPLE_ROWS):
         self.alphas = tuple(alphas)

@@ -148,8 +148,11 @@ def hf_aoq_options(calibration):
 # Mixed precision (hf_aoq.mixed_precision): one sensitivity report on the calibration tokens,
 # made once per run (or read with --sensitivity), then a recipe per budget. The schemes are the
 # weight-only ones (the report measures weight error; mx and -dyn also quantize activations),
-# with the sub-4-bit IntxTensor schemes so that the 4.0 and 3.5 budgets have something below 4 bits.
-MIXED_CANDIDATES = ["int4", "int4-plain", "int4-plain:g256", "int8", "int3:g64", "int3:g32", "int2:g32"]
+# with the sub-4-bit IntxTensor schemes so that the 4.0 and 3.5 budgets have something below 4 bits:
+# symmetric and asymmetric (a zero per group; SmolLM2's weights sit on an asymmetric 4-bit grid),
+# and Int4DQ at g64 (4.13 bits) between int4 and int4-plain.
+MIXED_CANDIDATES = ["int4", "int4-plain", "int4-plain:g256", "int8", "int3:g64", "int3:g32", "int2:g32",
+                    "int4:g64", "int3-asym:g64", "int3-asym:g128", "int2-asym:g32"]
 MIXED_BUDGETS = (4.2, 4.25, 4.3, 4.5, 5.0, 4.0, 3.5)
 _REPORT = {}
 

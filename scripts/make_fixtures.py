@@ -20,6 +20,8 @@ new capability of a type, adds a generation to `GENERATIONS` below.
                                   float32 per-tensor scale; 2-D and 3-D experts), schema version 1
     manifest.fpx.json             FPxTensor (new type: sub-byte floats, a scale per row), schema version 1
     manifest.fp8_sparse.json      Float8SemiSparseTensor (new type: 2:4 sparse float8), schema version 1
+    manifest.awq_input_scale.json Int4Tensor and Int4DQTensor with the optional input_scale
+                                  (AWQ scales that could not fold), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -321,6 +323,26 @@ def state_dicts_fp8_sparse() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_awq_input_scale() -> dict[str, dict[str, torch.Tensor]]:
+    from hf_aoq.tensors.common import with_input_scale
+
+    def scaled(t, seed: int, k: int, quantize):
+        # Powers of two, so that x / s and Wq / s are exact and N.linear stays exact in float64.
+        g = torch.Generator().manual_seed(seed)
+        s = 2.0 ** torch.randint(-2, 3, (k,), generator=g).float()
+        return with_input_scale(quantize((t.float() * s).to(t.dtype)), s)
+
+    return {
+        "v1_awq_input_scale": {
+            "int4_asym_g32_bf16": scaled(weight(61, 16, 128, BF16), 62, 128,
+                                         lambda w: Int4Tensor.from_float(w, 32, qparams="minmax")),
+            "int4_sym_g64_partial_f16": scaled(weight(63, 8, 96, F16), 64, 96,
+                                               lambda w: Int4Tensor.from_float(w, 64, symmetric=True, qparams="minmax")),
+            "int4dq_g32_bf16": scaled(weight(65, 16, 128, BF16), 66, 128, lambda w: Int4DQTensor.from_float(w, 32)),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
@@ -333,6 +355,7 @@ GENERATIONS = {
     "manifest.nvfp4.json": state_dicts_nvfp4,
     "manifest.fpx.json": state_dicts_fpx,
     "manifest.fp8_sparse.json": state_dicts_fp8_sparse,
+    "manifest.awq_input_scale.json": state_dicts_awq_input_scale,
 }
 
 

@@ -23,8 +23,11 @@ from .fpx import FPXWeightOnlyConfig
 # The names `hf-aoq quantize --scheme` and the scripts take; one function builds their configs.
 SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
            "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
-           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo", "fp6", "fp8-sparse")
+           "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo", "fp6", "fp8-sparse",
+           "int2-asym", "int3-asym", "int5-asym", "int6-asym")
 INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
+# "intN-asym": the same IntxTensor with a zero per group as well as a scale (N + 32/g bits with bf16 parameters).
+_ASYM = "-asym"
 INTX_DEFAULT_GROUP = 32
 # The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
 _INT4_ACT_SCHEMES = {
@@ -46,14 +49,17 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     blocks of 16 (their only size);
     int2, int3, int5 and int6 are IntxWeightOnlyConfig, symmetric, in groups of 32 (or 16, 64,
     128, 256); int8-int2 .. int8-int6 are Int8DynamicActivationIntxWeightConfig with the same
-    weights and int8 per-token activations.
+    weights and int8 per-token activations; int2-asym .. int6-asym are the same IntxWeightOnlyConfig
+    with mapping_type "asymmetric" (a scale and a zero per group).
     int8-int4, fp8-int4 and int4-int4 are int4 weights (groups of 32, 128 and 128 by default) with
     int8, float8 (e4m3) or int4 activations quantized per token at run time; fp8-static is
     Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses; fp6
     is FPXWeightOnlyConfig(3, 2): e3m2 weights with a scale per row (no groups);
     fp8-sparse is Float8DynamicActivationFloat8SemiSparseWeightConfig with e4m3 activations (2:4
     sparse e4m3 weights, per-token activations as fp8-dyn's; torchao's default is e5m2)."""
-    intx_bits = INTX_SCHEME_BITS.get(scheme.removeprefix("int8-") if scheme.startswith("int8-int") else scheme)
+    asym = scheme.endswith(_ASYM)
+    base = scheme.removesuffix(_ASYM)
+    intx_bits = INTX_SCHEME_BITS.get(base.removeprefix("int8-") if base.startswith("int8-int") else base)
     if intx_bits is not None and scheme in SCHEMES:
         g = INTX_DEFAULT_GROUP if group_size is None else group_size
         if g not in intx.GROUP_SIZES:
@@ -61,7 +67,8 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
         dtype = INT_DTYPES_BY_BITS[intx_bits]
         if scheme.startswith("int8-"):
             return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=PerGroup(g))
-        return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(g))
+        return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(g),
+                                    mapping_type="asymmetric" if asym else "symmetric")
     if scheme == "int4":
         return Int4DQWeightOnlyConfig() if group_size is None else Int4DQWeightOnlyConfig(group_size=group_size)
     if scheme == "int4-plain":

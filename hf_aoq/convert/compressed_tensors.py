@@ -127,6 +127,9 @@ def _ct_dequantize(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None
 def scheme_of(t: AOQTensor) -> Scheme:
     """The config group a weight goes into, or NotExact saying why none holds it."""
     c = t.to_canonical() if hasattr(t, "to_canonical") else t
+    if getattr(c, "input_scale", None) is not None:
+        raise NotExact("activation-aware input scales (input_scale, AWQ where no fold was possible): "
+                       "compressed-tensors has no per-input-channel scale")
     if isinstance(c, Int4DQTensor):
         raise NotExact("Int4DQ stores 4-bit indices into per-row grids for its group scales; compressed-tensors "
                        "has one float scale per group")

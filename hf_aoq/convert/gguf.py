@@ -161,6 +161,9 @@ def ggml_type_of(t) -> int:
     if len(shape) != 2:
         raise NotExact(f"shape {shape} is not a 2-D weight")
     k = shape[1]
+    if getattr(c, "input_scale", None) is not None:
+        raise NotExact("activation-aware input scales (input_scale, AWQ where no fold was possible): GGUF has no "
+                       "per-input-channel scale")
     if isinstance(c, Int4Tensor):
         if c.group_size != BLOCK:
             raise NotExact(f"int4 in groups of {c.group_size}; GGUF's Q4_0 and Q4_1 have a scale per {BLOCK} "

@@ -48,6 +48,12 @@ from .registry import (  # noqa: F401  (the public surface of the table)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    s = getattr(weight, "input_scale", None)
+    if s is not None:
+        # Activation-aware scales stored with the weight (tensors/common.py): every kernel runs
+        # on x / s and the weight without them, so each path computes (x / s) @ Wq^T.
+        x = (x.float() / s).to(x.dtype)
+        weight = weight.replace(input_scale=None)
     return select_kernel("linear", x, weight).fn(x, weight, bias)
 
 

@@ -262,6 +262,8 @@ def slice_grid(t, dim: int, start: int, end: int, codes_per_byte: int = 1):
     if start % per or end % per:
         raise AOQError(f"{type(t).__name__}: slice [{start}:{end}] of dim {dim} must be a multiple of {per}")
     changes["qdata"] = t.qdata.narrow(dim, start // per, (end - start) // per)
+    if last and getattr(t, "input_scale", None) is not None:
+        changes["input_scale"] = t.input_scale[start:end]
     shape = list(t.shape)
     shape[dim] = end - start
     return t.replace(shape=tuple(shape), block_size=tuple(block), **changes)
@@ -323,3 +325,37 @@ def check_grid_fields(
             raise AOQError(f"field {n!r}: shape {tuple(t.shape)}, expected {grid} (one entry per block)")
     if zero is not None and zero.dtype != scale.dtype:
         raise AOQError(f"field 'zero': dtype {zero.dtype} differs from scale's {scale.dtype}")
+
+
+# ---------------------------------------------------------------------- input scales
+# Activation-aware scales s [K] that could not be folded into the previous layer (hf_aoq.awq):
+# the codes hold W * s, the forward divides its input by s (kernels.linear, before any kernel),
+# and dequantize() returns the stored weight with its columns divided by s.
+
+def check_input_scale(fields) -> None:
+    """An optional `input_scale`: float32 [K] for a 2-D weight, finite and positive."""
+    s = fields.get("input_scale")
+    if s is None:
+        return
+    shape = tuple(fields["shape"])
+    if len(shape) != 2:
+        raise AOQError(f"field 'input_scale': only 2-D weights take one, got shape {shape}")
+    if s.dtype != torch.float32 or tuple(s.shape) != (shape[1],):
+        raise AOQError(f"field 'input_scale': {s.dtype} {tuple(s.shape)}, expected torch.float32 ({shape[1]},) "
+                       f"for shape {shape}")
+    if s.device.type != "meta" and not bool((torch.isfinite(s) & (s > 0)).all()):
+        raise AOQError("field 'input_scale': expected finite positive numbers")
+
+
+def unscale_input_columns(w: torch.Tensor, input_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `w` [N, K] with its columns divided by `input_scale` [K], cast to `dtype`."""
+    return (w.float() / input_scale.to(w.device)).to(dtype).contiguous()
+
+
+def with_input_scale(tensor: "AOQTensor", input_scale: torch.Tensor, *, name: str = "weight") -> "AOQTensor":
+    """`tensor` (Int4Tensor or Int4DQTensor, quantized from W * s) with `input_scale` s attached."""
+    if "input_scale" not in type(tensor).optional_tensor_data_names:
+        raise AOQError(f"{name}: a {type(tensor).__name__} has no input_scale field (Int4Tensor and Int4DQTensor do)")
+    out = tensor.replace(input_scale=input_scale.detach().to(torch.float32, copy=True).to(tensor.qdata.device))
+    type(out).check_fields(out.to_canonical().fields())
+    return out

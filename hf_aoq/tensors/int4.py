@@ -9,6 +9,10 @@ Canonical layout (what is saved; 3-D fused experts [E, N, K] put E in front of e
                token (row), to `act_dtype`:
     act_dtype  torch.int8 (symmetric codes in [-127, 127]), torch.int4 (symmetric codes in
                [-7, 7], scale = max|x| / 7) or a float8 dtype (scale = max|x| / its max)
+    input_scale float32 [K] or None: activation-aware scales that could not be folded into the
+               previous layer (hf_aoq.awq). The codes then hold W * s, and the layer computes
+               y = (x / s) @ Wq^T (x / s in float32, rounded to x's dtype, then the usual kernel);
+               dequantize() returns Wq / s (see common.py, docs/format.md)
 
 K need not be a multiple of g: the last group then covers the remaining K % g columns (SmolLM2's
 hidden size 576 in groups of 128 is four whole groups and one of 64). The device packings pad
@@ -36,7 +40,8 @@ from ..core.primitives import (
 from ..core.registry import register_tensor_type
 from ..kernels.common import INT4_GROUP_SIZES as GROUP_SIZES
 from ..kernels.common import quantize_int_per_token
-from .common import BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_layout, check_weight
+from .common import (BlockGridTensor, DevicePacked, check_built, check_grid_fields, check_input_scale, check_layout,
+                     check_weight, unscale_input_columns)
 from .experts import quantize_experts
 from .float8 import quantize_input_float8
 
@@ -54,7 +59,7 @@ ACT_DTYPES = tuple(INT_ACT_QMAX) + FLOAT8_DTYPES
 class Int4Tensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
     tensor_attribute_names = ("block_size", "shape", "dtype")
-    optional_tensor_data_names = ("zero",)
+    optional_tensor_data_names = ("zero", "input_scale")
     optional_tensor_attribute_names = ("packing", "act_quant", "act_dtype")
     schema_version = 1
     codes_per_byte = 2
@@ -105,6 +110,7 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
         check_layout(fields, cls.__name__, f"(1, g) with g in {GROUP_SIZES}",
                      lambda b, shape: len(b) == 2 and b[0] == 1 and b[1] in GROUP_SIZES)
         check_act_fields(fields.get("act_quant"), fields.get("act_dtype"), None)
+        check_input_scale(fields)
 
     @property
     def group_size(self) -> int:
@@ -116,7 +122,10 @@ class Int4Tensor(DevicePacked, BlockGridTensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         c = self.to_canonical()
-        return dequantize_affine(unpack_int4(c.qdata), c.block_size, c.scale, c.zero, QMIN, QMAX, dtype or self.dtype)
+        if c.input_scale is None:
+            return dequantize_affine(unpack_int4(c.qdata), c.block_size, c.scale, c.zero, QMIN, QMAX, dtype or self.dtype)
+        w = dequantize_affine(unpack_int4(c.qdata), c.block_size, c.scale, c.zero, QMIN, QMAX, torch.float32)
+        return unscale_input_columns(w, c.input_scale, dtype or self.dtype)
 
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes (int8, also for int4 activations; or float8) and float32 scales [M, 1], one per

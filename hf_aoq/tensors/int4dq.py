@@ -23,6 +23,7 @@ Decoding, in float32 (every `x * y + z` a multiply, then an add):
     dstep = (dhi - dlo) / 15;  cstep = (chi - clo) / 15
     per group:  d = dlo + a * dstep;  c = clo + b * cstep
     per weight: w = (q - 7.5) * d + c, then cast to the weight's dtype
+    input_scale float32 [K], optional: as Int4Tensor's (w / s before the cast; x / s in the forward)
 
 The CPU packing ("cpu_int4dq") holds qdata in hf_aoq's CPU int4 "pairs" layout (as
 Int4Tensor's) and gparams transposed to [G, N]; `to_canonical()` undoes it.
@@ -35,7 +36,7 @@ from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
 from ..kernels.search import int4dq_search
-from .common import BlockGridTensor, DevicePacked, check_built, check_weight
+from .common import BlockGridTensor, DevicePacked, check_built, check_input_scale, check_weight, unscale_input_columns
 from .experts import dequantize_experts, quantize_experts
 
 GROUP_SIZES = (32, 64)
@@ -49,6 +50,7 @@ D_ZERO, C_ZERO = 255, 127  # the codes of 0 (C_ZERO: in the low 7 bits, either s
 class Int4DQTensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "gparams", "rparams", "tparams")
     tensor_attribute_names = ("block_size", "shape", "dtype")
+    optional_tensor_data_names = ("input_scale",)
     optional_tensor_attribute_names = ("packing",)
     schema_version = 1
     codes_per_byte = 2
@@ -106,6 +108,7 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
                 raise AOQError(
                     f"field {field!r}: {t.dtype} {tuple(t.shape)}, expected {want_dtype} {want_shape} for shape {shape}"
                 )
+        check_input_scale(fields)
         tp = fields["tparams"]
         if tp.device.type != "meta" and not bool((torch.isfinite(tp) & (tp > 0)).all()):
             raise AOQError(f"field 'tparams': {tp.tolist()}, expected two finite positive numbers")
@@ -138,7 +141,10 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         if pad:
             q = torch.nn.functional.pad(q, (0, pad))
         w = (q.reshape(n, groups, g) - 7.5) * d[..., None] + c[..., None]
-        return w.reshape(n, groups * g)[:, :k].to(dtype or self.dtype).contiguous()
+        w = w.reshape(n, groups * g)[:, :k]
+        if self.input_scale is not None:
+            return unscale_input_columns(w, self.input_scale, dtype or self.dtype)
+        return w.to(dtype or self.dtype).contiguous()
 
     # Slicing and row gathers (F.embedding) work on the canonical fields: rows carry their own
     # row parameters; a slice along K must start on a group and end on one or at K.
@@ -172,6 +178,7 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
             qdata=c.qdata[..., start // 2 : end // 2],
             gparams=c.gparams[..., start // g : -(-end // g)],
             shape=tuple(shape),
+            input_scale=None if c.input_scale is None else c.input_scale[start:end],
         )
 
 

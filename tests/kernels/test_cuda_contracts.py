@@ -417,3 +417,23 @@ def test_int4dq_takes_the_triton_gemv_at_few_rows(monkeypatch, rows, expected):
                                   torch.empty(32, device="cuda"), bias.to("cuda"), 32, N, 576)
             assert y.device == torch.device("cuda", 0) and y.dtype == torch.bfloat16 and tuple(y.shape) == (rows, N)
             assert not any(calls.of(name) for name in CHECKS)
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_an_input_scale_keeps_tinygemm_within_its_contract(monkeypatch, rows):
+    """An Int4Tensor with input_scale (AWQ scales that could not fold): x / s (bf16, contiguous)
+    reaches tinygemm once, within its contract; the scales move to the GPU with the weight."""
+    from hf_aoq.tensors.common import with_input_scale
+
+    w, bias = _weights(576)
+    s = torch.exp(torch.randn(576))
+    q = with_input_scale(Int4WeightOnlyConfig(64).quantize_weight((w.float() * s).to(w.dtype)), s)
+    with fake_gpu(monkeypatch) as calls:
+        on_gpu = q.to("cuda").place()
+        assert on_gpu.packing == "cuda_tinygemm" and on_gpu.input_scale.device == torch.device("cuda", 0)
+        x = torch.empty(rows, 576, dtype=torch.bfloat16, device="cuda")
+        y = F.linear(x, on_gpu, bias.to("cuda"))
+        assert y.dtype == torch.bfloat16 and tuple(y.shape) == (rows, N)
+        made = calls.of("tinygemm")
+        assert len(made) == 1
+        check_tinygemm(made[0])

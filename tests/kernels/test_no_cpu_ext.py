@@ -136,6 +136,7 @@ MODULES = [
     ["tensors/test_tensors.py"],
     ["tensors/test_int4dq.py"],
     ["tensors/test_act_variants.py"],
+    ["tensors/test_input_scale.py"],
     ["kernels/test_int8_int4_kernels.py"],
     ["kernels/test_fp8_sparse_kernels.py"],
     ["quantize/test_quantize.py", "-k", "compile_matches_eager and Int8"],  # Inductor on aten's int8 kernel

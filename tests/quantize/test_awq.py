@@ -1,5 +1,6 @@
 """Activation-aware scales (hf_aoq.awq) folded into llama-style blocks: the folds leave the float
-model's function unchanged, blocks where they would not are refused before anything changes,
+model's function unchanged, linears whose scales cannot fold keep them as input_scale (SmoothQuant
+refuses such blocks before anything changes),
 and on a tiny Llama with loud activation channels the calibrated int4 / Int4DQ weights lose less
 than the same configs without calibration."""
 import copy
@@ -102,22 +103,94 @@ class OnePlusNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight.float())).to(x.dtype)
 
 
-def test_a_block_the_folds_would_change_is_refused_before_anything_changes():
+def test_a_pair_that_cannot_fold_keeps_its_scales_as_input_scale():
+    """AWQ: the consumers of a pair the check rejects get their scales as input_scale (and lose
+    less than without calibration); the other pairs still fold."""
+    reference = loud_llama()
+    layer = reference.model.layers[1]
+    layer.post_attention_layernorm = OnePlusNorm(layer.post_attention_layernorm.weight)
+    plain, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    quantize_(plain, Int4WeightOnlyConfig(32), not_lm_head)
+    report = quantize_with_awq(model, Int4WeightOnlyConfig(32), batches(), filter_fn=not_lm_head)
+    assert report.stored == ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+    assert report.pairs == 7 and len(report.calibrated) == 14
+    for name in ("gate_proj", "up_proj"):
+        w = model.model.layers[1].mlp.get_submodule(name).weight
+        assert isinstance(w, Int4Tensor) and w.input_scale is not None and w.input_scale.shape == (128,)
+    assert model.model.layers[1].mlp.down_proj.weight.input_scale is None  # up_proj -> down_proj folds
+    assert model.model.layers[0].mlp.gate_proj.weight.input_scale is None
+    scored = batches(seed=7)
+    assert mean_loss(model, scored, reference) < mean_loss(plain, scored, reference)
+
+
+def test_smoothquant_still_refuses_a_block_the_folds_would_change_before_anything_changes():
+    from hf_aoq import Int8DynamicActivationInt8WeightConfig
+    from hf_aoq.smoothquant import quantize_with_smoothquant
+
     model = loud_llama()
     layer = model.model.layers[1]
     layer.post_attention_layernorm = OnePlusNorm(layer.post_attention_layernorm.weight)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(AOQError, match=r"model.layers.1: folding scales from post_attention_layernorm into "
                                        r"mlp.gate_proj, mlp.up_proj changes the block's output"):
-        quantize_with_awq(model, Int4WeightOnlyConfig(32), batches(2), filter_fn=not_lm_head)
+        quantize_with_smoothquant(model, Int8DynamicActivationInt8WeightConfig(), batches(2), filter_fn=not_lm_head)
     for n, p in model.named_parameters():
         assert type(p.data) is torch.Tensor and torch.equal(p.data, before[n]), n
 
 
-def test_a_model_without_llama_blocks_is_refused():
+def loud_tiny_model():
+    """tests/models.py's TinyModel (blocks that are not llama-style: nothing folds) in float32,
+    with a few loud embedding channels, which q_proj reads straight from the residual."""
+    model = tiny_model(torch.float32)
+    with torch.no_grad():
+        model.embed.weight[:, :4] *= 25
+        for layer in model.layers:
+            layer.norm.weight[4:8] *= 10
+    return model
+
+
+def tiny_batches(n=4, length=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (1, length), generator=g) for _ in range(n)]
+
+
+def tiny_kl(model, ids_list, reference):
+    total = count = 0
+    with torch.no_grad():
+        for ids in ids_list:
+            p, q = reference(ids).float().log_softmax(-1), model(ids).float().log_softmax(-1)
+            total += torch.nn.functional.kl_div(q, p, log_target=True, reduction="sum").item()
+            count += ids.numel()
+    return total / count
+
+
+@pytest.mark.parametrize("config,tensor_type", [(Int4WeightOnlyConfig(32), Int4Tensor),
+                                                (Int4DQWeightOnlyConfig(32), Int4DQTensor)])
+def test_a_model_without_llama_blocks_stores_every_scale_and_loses_less(config, tensor_type):
+    reference = loud_tiny_model()
+    plain, model = copy.deepcopy(reference), copy.deepcopy(reference)
+    blocks_only = lambda m, n: isinstance(m, nn.Linear) and n != "head"  # noqa: E731
+    quantize_(plain, config, blocks_only)
+    calibration = tiny_batches()
+    report = quantize_with_awq(model, config, calibration, filter_fn=blocks_only)
+    names = [f"layers.{i}.{n}" for i in range(2) for n in ("q_proj", "up", "down")]
+    assert sorted(report.stored) == sorted(names) and report.pairs == 0
+    for name in names:
+        w = model.get_parameter(name + ".weight")
+        assert isinstance(w, tensor_type) and w.input_scale is not None
+    assert any(c["alpha"] > 0 for c in report.choices)
+    # Its loss on the calibration data (KL to the float model) is below that without AWQ.
+    kl_plain, kl_awq = tiny_kl(plain, calibration, reference), tiny_kl(model, calibration, reference)
+    assert kl_awq < 0.9 * kl_plain, (kl_awq, kl_plain)
+
+
+def test_smoothquant_refuses_a_model_without_llama_blocks():
+    from hf_aoq import Int8DynamicActivationInt8WeightConfig
+
     model = tiny_model()
     with pytest.raises(AOQError, match=r"layers.0: not a llama-style decoder block \(no input_layernorm"):
-        quantize_with_awq(model, Int4WeightOnlyConfig(32), [torch.randint(0, 128, (1, 16))])
+        quantize_with_calibration(model, Int8DynamicActivationInt8WeightConfig(), [torch.randint(0, 128, (1, 16))],
+                                  method="smoothquant")
     with pytest.raises(AOQError, match="calibration method must be one of"):
         quantize_with_calibration(model, Int4WeightOnlyConfig(32), [torch.randint(0, 128, (1, 16))], method="hqq")
 

@@ -160,3 +160,23 @@ def test_analyze_command_prints_the_table_and_writes_json(tiny_llama_dir, tmp_pa
     assert "no such text file" in capsys.readouterr().err
     assert cli.main(["analyze", str(tiny_llama_dir), "--calibration", str(text), "--schemes", "int9"]) == 2
     assert "unknown scheme 'int9'" in capsys.readouterr().err
+
+
+def test_asymmetric_intx_candidates_are_scheme_names_with_a_group_size():
+    """`int3-asym:g64`: the --scheme name int3-asym (IntxWeightOnlyConfig, mapping_type asymmetric)
+    with :g<N>, as every other candidate; the quantized tensor carries a zero per group."""
+    import torch
+
+    from hf_aoq import IntxWeightOnlyConfig, PerGroup
+    from hf_aoq.sensitivity import parse_candidate
+
+    c = parse_candidate("int3-asym:g64")
+    assert c.config == IntxWeightOnlyConfig(torch.int3, PerGroup(64), "asymmetric")
+    assert parse_candidate("int3:g64").config.mapping_type == "symmetric"
+    w = torch.randn(8, 128, dtype=torch.bfloat16) + 0.3
+    q = c.config.quantize_weight(w)
+    assert q.zero is not None
+    bits = 8 * sum(t.numel() * t.element_size() for t in q.tensor_fields().values()) / w.numel()
+    assert bits == 3.5  # 3 + (16 + 16) / 64
+    with pytest.raises(AOQError, match="group size must be one of"):
+        parse_candidate("int3-asym:g48")
