@@ -313,7 +313,7 @@ def simulate_input_quantization_fused(w, x: torch.Tensor) -> torch.Tensor:
     return w.simulate_input_quantization(x)
 
 
-# ---------------------------------------------------------------------- MX (MXFP4, MXFP8) and NVFP4 weight-only
+# ---------------------------------------------------------------------- MX (MXFP4, MXFP8) and NVFP4
 @opaque_op("mx_gemv_triton", lambda x2, qdata, scale, per_tensor_scale, bias, fmt, n, k:
            x2.new_empty(x2.shape[0], n))
 def mx_gemv_op(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale: Optional[torch.Tensor],
@@ -344,15 +344,16 @@ def _mx_fields(w):
     return w.qdata, w.scale, None, _MX_FORMATS[w.elem_dtype]
 
 
-def _mx_weight_only(w) -> bool:
-    """A 2-D weight-only MX / NVFP4 weight with contiguous fields (not a slice along K)."""
-    if getattr(w, "act_dtype", None) is not None or getattr(w, "act_quant", None) is not None:
-        return False
+def _mx_2d(w) -> bool:
+    """A 2-D MX / NVFP4 weight with contiguous fields (not a slice along K)."""
     return w.qdata.ndim == 2 and _contiguous(w.qdata, w.scale)
 
 
 def mx_triton_linear(x, w, bias):
+    """Activation-quantized weights (MX act_dtype, NVFP4 "nvfp4"): x quantized and decoded by
+    the type's torch code first, as the reference does; the weight is decoded by the kernel."""
     n, k = w.shape
+    x = w.simulate_input_quantization(x)
     qdata, scale, p, fmt = _mx_fields(w)
     return _linear_2d(x, n, k, lambda x2: mx_gemv_op(x2, qdata, scale, p, bias, fmt, n, k))
 
@@ -360,6 +361,7 @@ def mx_triton_linear(x, w, bias):
 def mx_triton_dequantize_linear(x, w, bias):
     """Large M (or float32 past the GEMV): the weight dequantized once per call, then cuBLAS."""
     n, k = w.shape
+    x = w.simulate_input_quantization(x)
     qdata, scale, p, fmt = _mx_fields(w)
     weight = mx_dequantize_op(qdata, scale, p, fmt, n, k, x)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
@@ -367,7 +369,7 @@ def mx_triton_dequantize_linear(x, w, bias):
 
 for _type, _name in (("MXTensor", "mx"), ("NVFP4Tensor", "nvfp4")):
     register_kernel("linear", _type, f"triton_{_name}_gemv", backend="triton", priority=5, device="cuda",
-                    needs=(TRITON,), when=lambda x, w: _gemv_rows(x, w) and _mx_weight_only(w))(mx_triton_linear)
+                    needs=(TRITON,), when=lambda x, w: _gemv_rows(x, w) and _mx_2d(w))(mx_triton_linear)
     register_kernel("linear", _type, f"triton_{_name}_dequantize_mm", backend="triton", priority=4, device="cuda",
-                    needs=(TRITON,), when=lambda x, w: _dequantize_rows(x, w) and _mx_weight_only(w))(
+                    needs=(TRITON,), when=lambda x, w: _dequantize_rows(x, w) and _mx_2d(w))(
                         mx_triton_dequantize_linear)

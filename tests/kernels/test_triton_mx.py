@@ -95,6 +95,14 @@ def _weights():
     return out
 
 
+def _act_weights():
+    """Activation-quantized MX (MXFP4 x MXFP4, MXFP8 weights with e2m1 activations) and NVFP4."""
+    torch.manual_seed(1)
+    return [MXTensor.from_float(torch.randn(40, 64), FP4, act_dtype=FP4),
+            MXTensor.from_float(torch.randn(40, 96), torch.float8_e4m3fn, act_dtype=torch.float8_e4m3fn),
+            NVFP4Tensor.from_float(torch.randn(40, 80), act_quant="nvfp4")]
+
+
 def _reference(w):
     row = kernels.kernels_for("linear", type(w).__name__)[-1]
     assert row.name == "reference"
@@ -104,16 +112,17 @@ def _reference(w):
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_mx_and_nvfp4_gemv_matches_the_reference(mx, rows, dtype):
-    for w in _weights():
+    for w in _weights() + _act_weights():
         n, k = w.shape
         torch.manual_seed(rows)
         x = torch.randn(rows, k, dtype=dtype)
         deq = w.dequantize(dtype)
+        xs = w.simulate_input_quantization(x)  # x itself for weight-only
         for bias in (torch.randn(n, dtype=dtype), None):
             y = triton_kernels.mx_triton_linear(x, w, bias)
             assert y.dtype == dtype and y.shape == (rows, n)
-            exact = x.double() @ deq.double().t() + (0 if bias is None else bias.double())
-            scale = (x.double().abs() @ deq.double().abs().t()).max() + 1
+            exact = xs.double() @ deq.double().t() + (0 if bias is None else bias.double())
+            scale = (xs.double().abs() @ deq.double().abs().t()).max() + 1
             assert (y.double() - exact).abs().max() <= TOL[dtype] * scale, (type(w).__name__, bias is None)
             ref = _reference(w)(x, w, bias).double()
             assert (y.double() - ref).abs().max() <= 2 * TOL[dtype] * scale
@@ -122,7 +131,7 @@ def test_the_mx_and_nvfp4_gemv_matches_the_reference(mx, rows, dtype):
 
 
 def test_the_mx_and_nvfp4_dequantize_mm_matches_the_reference(mx):
-    for w in _weights():
+    for w in _weights() + _act_weights():
         n, k = w.shape
         x = torch.randn(12, k, dtype=torch.bfloat16)
         bias = torch.randn(n, dtype=torch.bfloat16)
@@ -142,7 +151,7 @@ def test_the_mx_gemv_with_no_rows(mx):
 ])
 def test_the_mx_and_nvfp4_rows_by_m(monkeypatch, rows, dtype, expected):
     """On a GPU with triton: the GEMV up to TRITON_GEMV_MAX_ROWS, one dequantization and cuBLAS
-    above; activation-quantized weights and slices along K are no Triton row's."""
+    above, activation-quantized weights too; slices along K are no Triton row's."""
     from test_cuda_contracts import fake_gpu
 
     torch.manual_seed(0)
@@ -161,8 +170,8 @@ def test_the_mx_and_nvfp4_rows_by_m(monkeypatch, rows, dtype, expected):
             on_gpu = w.to("cuda")
             assert kernels.select_kernel("linear", x, on_gpu).name == f"triton_{name}_{expected}"
             assert kernels.select_kernel("linear", x.reshape(1, rows, 256), on_gpu).name == f"triton_{name}_{expected}"
-        for w in act:
-            assert kernels.select_kernel("linear", x, w.to("cuda")).backend != "triton"
+        for w, name in zip(act, ("mx", "nvfp4")):
+            assert kernels.select_kernel("linear", x, w.to("cuda")).name == f"triton_{name}_{expected}"
         # Under torch.compile the rows are custom ops whose fakes give the output's shape and dtype.
         w = weights[-1][0].to("cuda")
         if expected == "gemv":
