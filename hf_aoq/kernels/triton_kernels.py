@@ -311,3 +311,65 @@ def simulate_input_quantization_fused(w, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         return fake_quantize_rows_fp8_op(x2 if x2.stride(-1) == 1 else x2.contiguous()).reshape(x.shape)
     return w.simulate_input_quantization(x)
+
+
+# ---------------------------------------------------------------------- MX (MXFP4, MXFP8) and NVFP4
+@opaque_op("mx_gemv_triton", lambda x2, qdata, scale, per_tensor_scale, bias, fmt, n, k:
+           x2.new_empty(x2.shape[0], n))
+def mx_gemv_op(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale: Optional[torch.Tensor],
+               bias: Optional[torch.Tensor], fmt: int, n: int, k: int) -> torch.Tensor:
+    from .triton_mx import mx_gemv
+
+    return mx_gemv(x2, qdata, scale, per_tensor_scale, bias, fmt, n, k)
+
+
+@opaque_op("mx_dequantize_triton", lambda qdata, scale, per_tensor_scale, fmt, n, k, like: like.new_empty((n, k)))
+def mx_dequantize_op(qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale: Optional[torch.Tensor], fmt: int,
+                     n: int, k: int, like: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] in the dtype of `like` (the activation)."""
+    from .triton_mx import mx_dequantize
+
+    return mx_dequantize(qdata, scale, per_tensor_scale, fmt, n, k, like.dtype)
+
+
+# triton_mx's FORMAT by element dtype (MXFP4, MX e4m3, MX e5m2); NVFP4 is 3.
+_MX_FORMATS = {torch.float4_e2m1fn_x2: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+_NVFP4_FORMAT = 3
+
+
+def _mx_fields(w):
+    """(qdata, scale, per_tensor_scale or None, FORMAT) of a 2-D MX or NVFP4 weight."""
+    if hasattr(w, "per_tensor_scale"):
+        return w.qdata, w.scale, w.per_tensor_scale, _NVFP4_FORMAT
+    return w.qdata, w.scale, None, _MX_FORMATS[w.elem_dtype]
+
+
+def _mx_2d(w) -> bool:
+    """A 2-D MX / NVFP4 weight with contiguous fields (not a slice along K)."""
+    return w.qdata.ndim == 2 and _contiguous(w.qdata, w.scale)
+
+
+def mx_triton_linear(x, w, bias):
+    """Activation-quantized weights (MX act_dtype, NVFP4 "nvfp4"): x quantized and decoded by
+    the type's torch code first, as the reference does; the weight is decoded by the kernel."""
+    n, k = w.shape
+    x = w.simulate_input_quantization(x)
+    qdata, scale, p, fmt = _mx_fields(w)
+    return _linear_2d(x, n, k, lambda x2: mx_gemv_op(x2, qdata, scale, p, bias, fmt, n, k))
+
+
+def mx_triton_dequantize_linear(x, w, bias):
+    """Large M (or float32 past the GEMV): the weight dequantized once per call, then cuBLAS."""
+    n, k = w.shape
+    x = w.simulate_input_quantization(x)
+    qdata, scale, p, fmt = _mx_fields(w)
+    weight = mx_dequantize_op(qdata, scale, p, fmt, n, k, x)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+for _type, _name in (("MXTensor", "mx"), ("NVFP4Tensor", "nvfp4")):
+    register_kernel("linear", _type, f"triton_{_name}_gemv", backend="triton", priority=5, device="cuda",
+                    needs=(TRITON,), when=lambda x, w: _gemv_rows(x, w) and _mx_2d(w))(mx_triton_linear)
+    register_kernel("linear", _type, f"triton_{_name}_dequantize_mm", backend="triton", priority=4, device="cuda",
+                    needs=(TRITON,), when=lambda x, w: _dequantize_rows(x, w) and _mx_2d(w))(
+                        mx_triton_dequantize_linear)

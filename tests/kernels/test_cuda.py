@@ -199,3 +199,37 @@ def test_fused_int8_activation_quantizer_on_the_gpu(dtype):
     codes, scale = quantize_rows_int8(x)
     expected_codes, expected_scale = quantize_int8_per_token(x)
     assert torch.equal(scale, expected_scale) and torch.equal(codes, expected_codes)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"])
+def test_triton_mx_and_nvfp4_rows_on_the_gpu(fmt):
+    """The Triton MX / NVFP4 dequantization is dequantize()'s bit for bit on the GPU (every byte
+    code, finite codes for float8, in the weight's first rows), the GEMV is the reference's product, and the table picks them."""
+    pytest.importorskip("triton")
+    from hf_aoq import MXTensor, NVFP4Tensor
+
+    torch.manual_seed(0)
+    w = torch.randn(512, 1024, dtype=torch.bfloat16, device="cuda") * 4
+    elem = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2}
+    q = NVFP4Tensor.from_float(w) if fmt == "nvfp4" else MXTensor.from_float(w, elem[fmt])
+    codes = torch.arange(256, device="cuda", dtype=torch.int32)
+    if fmt.startswith("mxfp8"):  # the finite codes of both (e5m2's 0x7C-0x7F are inf and NaN), both signs
+        codes = torch.cat([codes[:124], codes[:124] | 0x80])
+    q.qdata.view(torch.uint8)[:2, : codes.numel()] = codes.to(torch.uint8)
+    name = "nvfp4" if fmt == "nvfp4" else "mx"
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, row in ((1, "gemv"), (8, "gemv"), (65, "dequantize_mm")):
+            x = torch.randn(rows, 1024, dtype=dtype, device="cuda")
+            kernel = kernels.select_kernel("linear", x, q)
+            assert kernel.name == f"triton_{name}_{row}"
+            y = kernel.fn(x, q, None)
+            deq = q.dequantize(dtype)
+            exact = x.double() @ deq.double().t()
+            scale = (x.double().abs() @ deq.double().abs().t()).max()
+            assert (y.double() - exact).abs().max() <= 1e-2 * scale, (dtype, rows)
+            if rows == 65:  # dequantize + cuBLAS: the reference's product bit for bit
+                assert torch.equal(y, kernels.kernels_for("linear", type(q).__name__)[-1].fn(x, q, None))
+        from hf_aoq.kernels.triton_kernels import _mx_fields, mx_dequantize_op
+
+        got = mx_dequantize_op(*_mx_fields(q), 512, 1024, x)
+        assert torch.equal(got.view(torch.int16), deq.view(torch.int16)), dtype

@@ -96,8 +96,12 @@ TABLE = [
     ("linear", "IntxTensor", "canonical", "reference"),
     ("linear", "MXTensor", "canonical", "cpu_mx_gemv"),
     ("linear", "MXTensor", "canonical", "cpu_mx_dequant_gemm"),
+    ("linear", "MXTensor", "canonical", "triton_mx_gemv"),
+    ("linear", "MXTensor", "canonical", "triton_mx_dequantize_mm"),
     ("linear", "MXTensor", "canonical", "reference"),
     ("linear", "NVFP4Tensor", "canonical", "cpu_nvfp4_gemv"),
+    ("linear", "NVFP4Tensor", "canonical", "triton_nvfp4_gemv"),
+    ("linear", "NVFP4Tensor", "canonical", "triton_nvfp4_dequantize_mm"),
     ("linear", "NVFP4Tensor", "canonical", "reference"),
 ]
 
