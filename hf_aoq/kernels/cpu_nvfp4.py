@@ -14,15 +14,15 @@ from .common import FLOATS
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .registry import opaque_op, register_kernel
 
-# The same crossover as MXFP4's GEMV (cpu_mx.MXFP4_GEMV_MAX_ROWS: the same decode and loop, a
-# scale per 16 instead of 32): each weight row is decoded once per four activation rows.
+# The same crossover as MXFP4's GEMV (cpu_mx.MXFP4_GEMV_MAX_ROWS): the same loop (mx_common.h
+# fp4_tile), a scale per 16 instead of 32.
 NVFP4_GEMV_MAX_ROWS = 64
-# Batch 1 against int4 g32 (Int4WeightOnlyConfig(32), hf_aoq's int4 kernel), 2048x5632 bf16, 1
-# thread, 100 interleaved rounds (scripts/bench_kernels.py) on the shared AVX-512 machine (load
-# about 15 on 2 vCPUs): NVFP4 GEMV best 1.46 ms, median 1.64; int4 g32 best 1.13, median 1.44;
-# MXFP4's AVX2 GEMV best 2.37 in the same run. Issue 17's target (at least as fast as int4 g32) is
-# not met: about 1.3x slower at best. The AVX-512 build decodes 16 codes per vpermps (the whole
-# e2m1 table) and the AVX2 build 8 (magnitude table + sign), both exactly.
+# Batch 1 against int4 g32 (Int4WeightOnlyConfig(32), hf_aoq's int4 kernel) and MXFP4's GEMV,
+# 2048x5632 bf16, 1 thread, 100 interleaved rounds (scripts/bench_kernels.py) on the shared
+# AVX-512 machine (load about 5 on 2 vCPUs): NVFP4 GEMV best 0.69 ms, median 0.97; int4 g32 best
+# 0.93, median 1.27; MXFP4 GEMV best 0.62, median 0.91 (dense bf16 1.45 / 1.71). Issue 17's target
+# (at least as fast as int4 g32) is met, by about 1.3x. (The previous NVFP4 loop, one weight row at
+# a time with the e4m3 scales decoded in registers per chunk: 1.46 ms against int4 g32's 1.13.)
 
 
 @opaque_op("nvfp4_linear_io_cpu", _linear_out)

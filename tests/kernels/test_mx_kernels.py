@@ -335,6 +335,14 @@ for elem, act in [(FP4, None), (torch.float8_e4m3fn, None), (torch.float8_e5m2, 
             a = -1 if act is None else cpu_mx.KIND[act]
             out[f"{elem} {act} {rows} {dtype}"] = cpu_mx.mx_linear_io(x, w.qdata, w.scale, cpu_mx.KIND[elem], 400, None, a)
             out[f"{elem} {act} {rows} {dtype} ref"] = F.linear(w.simulate_input_quantization(x).float(), w.dequantize(torch.float32)).to(dtype)
+from hf_aoq.kernels import cpu_nvfp4  # NVFP4's GEMV runs the same e2m1 tiles (mx_common.h)
+from hf_aoq.tensors.nvfp4 import NVFP4Tensor
+nv = NVFP4Tensor.from_float(torch.randn(37, 400))
+for rows in (1, 2, 5, 12):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(rows, 400).to(dtype)
+        out[f"nvfp4 {rows} {dtype}"] = cpu_nvfp4.nvfp4_linear_io(x, nv.qdata, nv.scale, nv.per_tensor_scale, 400, None)
+        out[f"nvfp4 {rows} {dtype} ref"] = F.linear(x.float(), nv.dequantize(torch.float32)).to(dtype)
 save_file({k: v.contiguous() for k, v in out.items()}, sys.argv[1])
 print("RESULT " + json.dumps({"isa": cpu_ext.chosen_isa()}))
 """

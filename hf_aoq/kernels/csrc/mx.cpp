@@ -38,85 +38,9 @@ constexpr int kNR = 4, kMB = 2, kNR8 = 4, kMB8 = 4;
 constexpr int kNR = 1, kMB = 1, kNR8 = 2, kMB8 = 1;
 #endif
 constexpr int kMaxTile = 16;  // >= kNR * kMB and kNR8 * kMB8
-constexpr int64_t kChunk = 128;  // e2m1 elements per 64-byte chunk (four blocks)
-
-// Where each weight row of a tile reads: the row, a zero-padded copy of its last partial chunk
-// (e2m1) or block (float8), and its scales as float32, per block (e2m1: zeros past the row's
-// end, to whole chunks).
-struct RowView {
-  const uint8_t* row;
-  const uint8_t* tail;
-  const float* sf;
-};
+constexpr int64_t kChunk = FP4_CHUNK;  // e2m1 elements per 64-byte chunk (four blocks)
 
 #if defined(__AVX2__)
-// 16 32-bit lanes of weight bytes, and element u's value in each (see the top of the file).
-#if defined(__AVX512F__)
-using vint = __m512i;
-inline vint load_lanes(const uint8_t* p) { return _mm512_loadu_si512(p); }
-using E2m1Table = __m512;  // the 16 values
-inline E2m1Table e2m1_table() { return _mm512_loadu_ps(E2M1_VALUE); }
-inline vfloat e2m1_lanes(const vint& v, int u, const E2m1Table& table) {
-  return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * u), table);
-}
-#else
-struct vint {
-  __m256i lo, hi;
-};
-inline vint load_lanes(const uint8_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-}
-using E2m1Table = __m256;  // the 8 magnitudes, bits XOR (index << 28) (mx_common.h)
-inline E2m1Table e2m1_table() { return fp4_table(1.f); }
-inline vfloat e2m1_lanes(const vint& v, int u, const E2m1Table& table) {
-  return {fp4_lookup(_mm256_srli_epi32(v.lo, 4 * u), table), fp4_lookup(_mm256_srli_epi32(v.hi, 4 * u), table)};
-}
-#endif
-
-// The 16 lanes' scales of a chunk from its four blocks' (lane i: block i / 4).
-inline vfloat chunk_scales(const float* s4) {
-#if defined(__AVX512F__)
-  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(s4)));
-#else
-  const __m256 v = _mm256_castps128_ps256(_mm_loadu_ps(s4));
-  return {_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
-          _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))};
-#endif
-}
-
-// e2m1, float32 activations laid out by layout_rows (per chunk, vector u = elements 8i + u).
-template <int NR, int MB>
-void fp4_tile(const RowView* rows, int64_t chunks, int64_t full, const float* xp, int64_t ldx, float* out) {
-  static constexpr int order[8] = {4, 0, 5, 1, 6, 2, 7, 3};
-  const E2m1Table table = e2m1_table();
-  vfloat total[MB][NR];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < NR; ++r) total[i][r] = vzero();
-  for (int64_t c = 0; c < chunks; ++c) {
-    vint v[NR];
-    for (int r = 0; r < NR; ++r) v[r] = load_lanes(c < full ? rows[r].row + c * 64 : rows[r].tail);
-    vfloat part[MB][NR];
-    for (int i = 0; i < MB; ++i)
-      for (int r = 0; r < NR; ++r) part[i][r] = vzero();
-    for (int s = 0; s < 8; ++s) {
-      const int u = order[s];
-      vfloat w[NR];
-      for (int r = 0; r < NR; ++r) w[r] = e2m1_lanes(v[r], u, table);
-      for (int i = 0; i < MB; ++i) {
-        const vfloat xv = vload(xp + i * ldx + c * kChunk + 16 * u);
-        for (int r = 0; r < NR; ++r) part[i][r] = vfma(xv, w[r], part[i][r]);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      const vfloat sv = chunk_scales(rows[r].sf + c * 4);
-      for (int i = 0; i < MB; ++i) total[i][r] = vfma(part[i][r], sv, total[i][r]);
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < NR; ++r) out[i * NR + r] = vsum(total[i][r]);
-}
-
 // e4m3 / e5m2, activations laid out in order, per block: acc = x1 * w1 + (x0 * w0 + acc).
 template <int NR, int MB>
 void fp8_tile(int64_t kind, const RowView* rows, int64_t B, int64_t full, const float* xp, int64_t ldx, float* out) {
@@ -154,20 +78,10 @@ void fp8_tile(int64_t kind, const RowView* rows, int64_t B, int64_t full, const 
 // The activation rows laid out for the kernels, zero past K: x float32 [M, K]; xp [M, ld].
 // e2m1: per chunk of 128, xp[128c + 16u + i] = x[128c + 8i + u]; float8: in order.
 void layout_rows(const float* x, float* xp, int64_t M, int64_t K, int64_t ld, int64_t kind) {
+  if (kind == MX_E2M1) return fp4_layout_rows(x, xp, M, K, ld);
   for (int64_t m = 0; m < M; ++m) {
-    const float* s = x + m * K;
-    float* d = xp + m * ld;
-    if (kind != MX_E2M1) {
-      std::memcpy(d, s, size_t(K) * sizeof(float));
-      std::fill(d + K, d + ld, 0.f);
-      continue;
-    }
-    for (int64_t c = 0; c < ld; c += kChunk)
-      for (int64_t u = 0; u < 8; ++u)
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t k = c + 8 * i + u;
-          d[c + 16 * u + i] = k < K ? s[k] : 0.f;
-        }
+    std::memcpy(xp + m * ld, x + m * K, size_t(K) * sizeof(float));
+    std::fill(xp + m * ld + K, xp + (m + 1) * ld, 0.f);
   }
 }
 
@@ -210,10 +124,10 @@ void mx_gemv(const float* xp, int64_t ld, int64_t M, const uint8_t* q, const uin
 #if defined(__AVX2__)
         if (fp4) {
 #if defined(__AVX512F__)
-          if (mb == 2) fp4_tile<kNR, 2>(rows, units, full, xp + m0 * ld, ld, out);
+          if (mb == 2) fp4_tile<kNR, 2, 4>(rows, units, full, xp + m0 * ld, ld, out);
           else
 #endif
-            fp4_tile<kNR, 1>(rows, units, full, xp + m0 * ld, ld, out);
+            fp4_tile<kNR, 1, 4>(rows, units, full, xp + m0 * ld, ld, out);
         } else {
           switch (mb) {
 #if defined(__AVX512F__)

@@ -229,4 +229,123 @@ inline float mx_elem_value(const uint8_t* row, int64_t kind, int64_t k) {
   return fp8_value(row[k], kind == MX_E4M3 ? 20 : 21);
 }
 
+
+// ---------------------------------------------------------------------- e2m1 GEMV tiles
+// What the e2m1 GEMVs share (mx.cpp: MXFP4, a scale per 32; nvfp4.cpp: NVFP4, a scale per 16),
+// in chunks of 128 elements (64 bytes): the chunk's bytes load as 16 32-bit lanes, lane i holding
+// elements 8i .. 8i + 7 in its eight nibbles, so `lane >> 4u` has element 8i + u's code in its low
+// four bits for every lane at once; the e2m1 table above (vpermps; AVX2's 8-entry one takes the
+// sign from the code) gives the value. A block of 32 is four lanes, a block of 16 two. Per chunk
+// and lane the eight products x * value are added into a partial sum in the order
+// u = 4, 0, 5, 1, 6, 2, 7, 3, the partial sum times its block's scale into the lane's total (one
+// FMA); each output is its 16 lanes' sum (simd.h vsum). The AVX2 build computes the same lanes in
+// two 8-lane halves with the same operations: both builds give the same outputs. Tiles of NR
+// weight rows x MB activation rows share each decoded weight vector and activation load.
+constexpr int64_t FP4_CHUNK = 128;  // e2m1 elements per 64-byte chunk
+
+// The activation rows laid out for fp4_tile, zero past K: x float32 [M, K]; xp [M, ld], ld a
+// multiple of FP4_CHUNK: per chunk, xp[128c + 16u + i] = x[128c + 8i + u].
+inline void fp4_layout_rows(const float* x, float* xp, int64_t M, int64_t K, int64_t ld) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* s = x + m * K;
+    float* d = xp + m * ld;
+    for (int64_t c = 0; c < ld; c += FP4_CHUNK)
+      for (int64_t u = 0; u < 8; ++u)
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t k = c + 8 * i + u;
+          d[c + 16 * u + i] = k < K ? s[k] : 0.f;
+        }
+  }
+}
+
+// Where each weight row of a tile reads: the row, a zero-padded copy of its last partial chunk
+// (or block), and its scales as float32 per block (for fp4_tile: zeros past the row's end, to
+// whole chunks).
+struct RowView {
+  const uint8_t* row;
+  const uint8_t* tail;
+  const float* sf;
+};
+
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+using vint = __m512i;
+inline vint load_lanes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+using E2m1Table = __m512;  // the 16 values
+inline E2m1Table e2m1_table() { return _mm512_loadu_ps(E2M1_VALUE); }
+inline vfloat e2m1_lanes(const vint& v, int u, const E2m1Table& table) {
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * u), table);
+}
+#else
+struct vint {
+  __m256i lo, hi;
+};
+inline vint load_lanes(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+using E2m1Table = __m256;  // the 8 magnitudes, bits XOR (index << 28) (above)
+inline E2m1Table e2m1_table() { return fp4_table(1.f); }
+inline vfloat e2m1_lanes(const vint& v, int u, const E2m1Table& table) {
+  return {fp4_lookup(_mm256_srli_epi32(v.lo, 4 * u), table), fp4_lookup(_mm256_srli_epi32(v.hi, 4 * u), table)};
+}
+#endif
+
+// The 16 lanes' scales of a chunk from its blocks' (BPC = 4 blocks of 32: lane i gets block
+// i / 4; BPC = 8 blocks of 16: block i / 2).
+template <int BPC>
+inline vfloat fp4_chunk_scales(const float* s) {
+  static_assert(BPC == 4 || BPC == 8, "blocks per chunk: 4 or 8");
+#if defined(__AVX512F__)
+  if (BPC == 4)
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(_mm_loadu_ps(s)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                               _mm512_castps256_ps512(_mm256_loadu_ps(s)));
+#else
+  if (BPC == 4) {
+    const __m256 v = _mm256_castps128_ps256(_mm_loadu_ps(s));
+    return {_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+            _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3))};
+  }
+  const __m256 v = _mm256_loadu_ps(s);
+  return {_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
+          _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))};
+#endif
+}
+
+// out[i * NR + r] = activation row i (xp, laid out by fp4_layout_rows, ldx floats apart) . weight
+// row r, over `chunks` chunks of which the first `full` are read from the row, the last from its
+// tail; the rows' sf hold BPC scales per chunk.
+template <int NR, int MB, int BPC>
+void fp4_tile(const RowView* rows, int64_t chunks, int64_t full, const float* xp, int64_t ldx, float* out) {
+  static constexpr int order[8] = {4, 0, 5, 1, 6, 2, 7, 3};
+  const E2m1Table table = e2m1_table();
+  vfloat total[MB][NR];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < NR; ++r) total[i][r] = vzero();
+  for (int64_t c = 0; c < chunks; ++c) {
+    vint v[NR];
+    for (int r = 0; r < NR; ++r) v[r] = load_lanes(c < full ? rows[r].row + c * 64 : rows[r].tail);
+    vfloat part[MB][NR];
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < NR; ++r) part[i][r] = vzero();
+    for (int s = 0; s < 8; ++s) {
+      const int u = order[s];
+      vfloat w[NR];
+      for (int r = 0; r < NR; ++r) w[r] = e2m1_lanes(v[r], u, table);
+      for (int i = 0; i < MB; ++i) {
+        const vfloat xv = vload(xp + i * ldx + c * FP4_CHUNK + 16 * u);
+        for (int r = 0; r < NR; ++r) part[i][r] = vfma(xv, w[r], part[i][r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const vfloat sv = fp4_chunk_scales<BPC>(rows[r].sf + c * BPC);
+      for (int i = 0; i < MB; ++i) total[i][r] = vfma(part[i][r], sv, total[i][r]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < NR; ++r) out[i * NR + r] = vsum(total[i][r]);
+}
+#endif
+
 }  // namespace

@@ -1,151 +1,90 @@
 // NVFP4 (e2m1 elements two per byte, one float8 e4m3 scale per 16 elements along K, one float32
 // scale per tensor) weight x float activation on CPU for few rows: F.linear(x, w, bias) in
-// float32, reading the packed weight directly (fp4.h's lane layout and exact table decode).
+// float32 on the exact weight, reading the packed bytes directly.
 //
-// A 64-element chunk holds four blocks of 16: lanes 2b and 2b + 1 are block b. The chunk's four
-// e4m3 scale bytes are decoded in registers: (byte & 0x7F) << 20 puts exponent and mantissa
-// where float32 has them, read as a float that is the value times 2^-120 (e4m3 subnormals
-// become float32 subnormals, exactly), so one multiply by 2^120 gives the value; the sign is bit
-// 7 moved to bit 31, and 0x7F / 0xFF are NaN. Times the per-tensor scale (float32, the
-// reference's block_scales), spread to the lane pairs, it multiplies each lane's partial sums.
-// Denormals are neither flushed nor treated as zero during the call (the decode needs them).
-// The AVX-512 build reads 64 bytes at a time and decodes codes by the whole 16-entry e2m1 table.
+// The loop is MXFP4's (mx_common.h fp4_tile): chunks of 128 elements as 16 32-bit lanes, a block
+// of 16 being two lanes (16 floats over the chunk's eight decoded vectors), the e2m1 table decode
+// by vpermps, per chunk and lane a partial sum of the eight products times the block's scale (one
+// FMA), 4x2 register tiles on AVX-512, and the AVX2 build running the same lanes in two halves,
+// so both builds give the same outputs. A block's scale is its e4m3 value times the per-tensor
+// scale in float32 (the reference's block_scales), decoded once per weight row: the byte's
+// exponent and mantissa bits shifted into a float32's give the value times 2^-120 exactly (e4m3
+// subnormals become float32 subnormals), times 2^120; 0x7F / 0xFF are NaN. Denormals are neither
+// flushed nor treated as zero during the call (the decode needs them).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
-#include "fp4.h"
 #include "hf_aoq_cpu.h"
-#include "simd.h"
+#include "mx_common.h"
 
 namespace {
 
-using namespace hf_aoq_fp4;
 constexpr int64_t BLOCK = 16;
-
-// float32 value of an e4m3fn byte (scalar: the generic build, and the tests' meaning of the code).
-inline float e4m3(uint8_t b) {
-  if ((b & 0x7F) == 0x7F) return std::nanf("");
-  const float mag = bits_to_float(uint32_t(b & 0x7F) << 20) * 0x1p120f;
-  return (b & 0x80) ? -mag : mag;
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// AVX-512: 64 bytes (128 elements, eight blocks) per load, sixteen 32-bit lanes; lane j holds
-// elements 8j .. 8j + 7 and blocks are lane pairs, as in fp4.h's 32-byte layout. vpermps on zmm
-// reads four index bits, so the whole 16-entry e2m1 table (signs included) decodes a code in one
-// instruction. The scale decode is the AVX2 one on eight bytes.
-constexpr int64_t CHUNK_BYTES = 64;
-
-inline __m512 chunk_scales(const uint8_t* sc, int64_t c, int64_t B, __m256 pts) {
-  const int64_t left = std::min<int64_t>(8, B - 8 * c);
-  const __m128i bytes = _mm_maskz_loadu_epi8(__mmask16((1u << left) - 1), sc + 8 * c);
-  const __m256i b = _mm256_cvtepu8_epi32(bytes);
-  const __m256i low = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
-  __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(low, 20)), _mm256_set1_ps(0x1p120f));
-  v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
-  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(low, _mm256_set1_epi32(0x7F)));
-  v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
-  v = _mm256_mul_ps(v, pts);
-  const __m512i spread = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  return _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(v));
-}
-
-template <int MB>
-inline void row_dots(const uint8_t* row, const uint8_t* sc, int64_t K, float pts, const float* xp, int64_t stride,
-                     float* acc) {
-  const __m512 table = _mm512_loadu_ps(E2M1);
-  const __m256 p = _mm256_set1_ps(pts);
-  const int64_t B = (K + BLOCK - 1) / BLOCK, row_bytes = K / 2, chunks = (row_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES;
-  __m512 total[MB];
-  for (int i = 0; i < MB; ++i) total[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t left = std::min<int64_t>(CHUNK_BYTES, row_bytes - c * CHUNK_BYTES);
-    const __mmask64 mask = left == 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
-    const __m512i v = _mm512_maskz_loadu_epi8(mask, row + c * CHUNK_BYTES);
-    const __m512 scale = chunk_scales(sc, c, B, p);
-    __m512 a[MB], b[MB];
-    for (int i = 0; i < MB; ++i) a[i] = b[i] = _mm512_setzero_ps();
-    const float* xc = xp + c * 2 * CHUNK_BYTES;
-#define HF_AOQ_NVFP4_STEP(T, ACC)                                                                     \
-  {                                                                                                   \
-    const __m512 w = _mm512_permutexvar_ps(T ? _mm512_srli_epi32(v, 4 * T) : v, table);               \
-    for (int i = 0; i < MB; ++i) ACC[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + i * stride + 16 * T), w, ACC[i]); \
-  }
-    HF_AOQ_NVFP4_STEP(0, a) HF_AOQ_NVFP4_STEP(1, b) HF_AOQ_NVFP4_STEP(2, a) HF_AOQ_NVFP4_STEP(3, b)
-    HF_AOQ_NVFP4_STEP(4, a) HF_AOQ_NVFP4_STEP(5, b) HF_AOQ_NVFP4_STEP(6, a) HF_AOQ_NVFP4_STEP(7, b)
-#undef HF_AOQ_NVFP4_STEP
-    for (int i = 0; i < MB; ++i) total[i] = _mm512_fmadd_ps(_mm512_add_ps(a[i], b[i]), scale, total[i]);
-  }
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_reduce_add_ps(total[i]);
-}
-#elif defined(__AVX2__)
-constexpr int64_t CHUNK_BYTES = 32;
-
-// The whole scales of blocks 4c .. 4c + 3 of a row (0 past its B blocks), lane-pair spread.
-inline __m256 chunk_scales(const uint8_t* sc, int64_t c, int64_t B, __m128 pts) {
-  uint32_t four = 0;
-  std::memcpy(&four, sc + 4 * c, size_t(std::min<int64_t>(4, B - 4 * c)));
-  const __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(four)));
-  const __m128i low = _mm_and_si128(b, _mm_set1_epi32(0x7F));
-  __m128 v = _mm_mul_ps(_mm_castsi128_ps(_mm_slli_epi32(low, 20)), _mm_set1_ps(0x1p120f));
-  v = _mm_or_ps(v, _mm_castsi128_ps(_mm_slli_epi32(_mm_and_si128(b, _mm_set1_epi32(0x80)), 24)));
-  const __m128 nan = _mm_castsi128_ps(_mm_cmpeq_epi32(low, _mm_set1_epi32(0x7F)));
-  v = _mm_blendv_ps(v, _mm_castsi128_ps(_mm_set1_epi32(0x7FC00000)), nan);
-  v = _mm_mul_ps(v, pts);
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-}
-
-// Dot products of one weight row (bytes `row`, scale bytes `sc`, K elements) with MB permuted
-// activation rows (xp, `stride` floats apart); acc gets them.
-template <int MB>
-inline void row_dots(const uint8_t* row, const uint8_t* sc, int64_t K, float pts, const float* xp, int64_t stride,
-                     float* acc) {
-  const __m256 table = e2m1_table();
-  const __m128 p = _mm_set1_ps(pts);
-  const int64_t B = (K + BLOCK - 1) / BLOCK, chunks = (K + CHUNK - 1) / CHUNK, row_bytes = K / 2;
-  __m256 total[MB];
-  for (int i = 0; i < MB; ++i) total[i] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const __m256i v = load_chunk(row, c, row_bytes);
-    const __m256 scale = chunk_scales(sc, c, B, p);
-    __m256 a[MB], b[MB];
-    for (int i = 0; i < MB; ++i) a[i] = b[i] = _mm256_setzero_ps();
-    const float* xc = xp + c * CHUNK;
-#define HF_AOQ_NVFP4_STEP(T, ACC)                                                                   \
-  {                                                                                                 \
-    const __m256 w = e2m1_decode<T>(v, table);                                                      \
-    for (int i = 0; i < MB; ++i) ACC[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + i * stride + 8 * T), w, ACC[i]); \
-  }
-    HF_AOQ_NVFP4_STEP(0, a) HF_AOQ_NVFP4_STEP(1, b) HF_AOQ_NVFP4_STEP(2, a) HF_AOQ_NVFP4_STEP(3, b)
-    HF_AOQ_NVFP4_STEP(4, a) HF_AOQ_NVFP4_STEP(5, b) HF_AOQ_NVFP4_STEP(6, a) HF_AOQ_NVFP4_STEP(7, b)
-#undef HF_AOQ_NVFP4_STEP
-    for (int i = 0; i < MB; ++i) total[i] = _mm256_fmadd_ps(_mm256_add_ps(a[i], b[i]), scale, total[i]);
-  }
-  for (int i = 0; i < MB; ++i) acc[i] = hsum(total[i]);
-}
+constexpr int64_t BPC = FP4_CHUNK / BLOCK;  // blocks per chunk
+#if defined(__AVX512F__)
+constexpr int kNR = 4, kMB = 2;  // weight rows x activation rows per register tile
 #else
-constexpr int64_t CHUNK_BYTES = 32;
+constexpr int kNR = 1, kMB = 1;
 #endif
 
-// The same sums in plain C++ (the generic build), block by block.
-inline void row_dots_scalar(const uint8_t* row, const uint8_t* sc, int64_t K, float pts, const float* xp,
-                            int64_t stride, int64_t rows, float* acc) {
-  const int64_t B = (K + BLOCK - 1) / BLOCK;
-  for (int64_t i = 0; i < rows; ++i) {
-    float total = 0.f;
-    for (int64_t blk = 0; blk < B; ++blk) {
-      float part = 0.f;
-      for (int64_t k = blk * BLOCK; k < std::min(K, (blk + 1) * BLOCK); ++k) {
-        const uint8_t byte = row[k / 2];
-        part += permuted(xp + i * stride, k, 2 * CHUNK_BYTES) * E2M1[(k % 2) ? byte >> 4 : byte & 15];
+// float32 value of an e4m3fn byte.
+inline float e4m3(uint8_t b) { return (b & 0x7F) == 0x7F ? std::nanf("") : fp8_value(b, 20); }
+
+// y [M, N] = x W^T for activations xp (fp4_layout_rows, or in order for the generic build), rows
+// ld floats apart; q [N, K/2] codes, sc [N, B] e4m3 bytes, pts the per-tensor scale.
+void nvfp4_gemv(const float* xp, int64_t ld, int64_t M, const uint8_t* q, const uint8_t* sc, float pts, float* y,
+                int64_t N, int64_t K) {
+  const int64_t B = (K + BLOCK - 1) / BLOCK, row_bytes = K / 2;
+  const int64_t chunks = (K + FP4_CHUNK - 1) / FP4_CHUNK, full = row_bytes / 64, per_row = chunks * BPC;
+  const int64_t groups = (N + kNR - 1) / kNR;
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    MxDenormalsKept keep;
+    std::vector<float> sf(kNR * per_row);
+    alignas(64) uint8_t tail[kNR][64];
+    float out[kNR * kMB];
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const int64_t n0 = grp * kNR;
+      const int nr = static_cast<int>(std::min<int64_t>(kNR, N - n0));
+      RowView rows[kNR];
+      for (int r = 0; r < kNR; ++r) {
+        const int64_t n = std::min(n0 + r, N - 1);  // rows past N repeat the last, not stored
+        const uint8_t* row = q + n * row_bytes;
+        float* f = sf.data() + r * per_row;
+        for (int64_t g = 0; g < B; ++g) f[g] = e4m3(sc[n * B + g]) * pts;
+        std::fill(f + B, f + per_row, 0.f);  // blocks past the row's end
+        std::memset(tail[r], 0, sizeof(tail[r]));
+        if (full < chunks) std::memcpy(tail[r], row + full * 64, size_t(row_bytes - full * 64));
+        rows[r] = {row, tail[r], f};
       }
-      total += part * (pts * e4m3(sc[blk]));
+      for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+        const int mb = static_cast<int>(std::min<int64_t>(kMB, M - m0));
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+        if (mb == 2) fp4_tile<kNR, 2, BPC>(rows, chunks, full, xp + m0 * ld, ld, out);
+        else
+#endif
+          fp4_tile<kNR, 1, BPC>(rows, chunks, full, xp + m0 * ld, ld, out);
+#else
+        {  // plain C++: block by block, x in order
+          float total = 0.f;
+          for (int64_t g = 0; g < B; ++g) {
+            float part = 0.f;
+            for (int64_t k = g * BLOCK; k < std::min(K, (g + 1) * BLOCK); ++k)
+              part += xp[m0 * ld + k] * mx_elem_value(rows[0].row, MX_E2M1, k);
+            total += part * rows[0].sf[g];
+          }
+          out[0] = total;
+        }
+#endif
+        for (int i = 0; i < mb; ++i)
+          for (int r = 0; r < nr; ++r) y[(m0 + i) * N + n0 + r] = out[i * kNR + r];
+      }
     }
-    acc[i] = total;
-  }
+  });
 }
 
 }  // namespace
@@ -154,7 +93,7 @@ inline void row_dots_scalar(const uint8_t* row, const uint8_t* sc, int64_t K, fl
 // (two e2m1 codes per byte, the even element low); scale float8_e4m3fn [N, ceil(k/16)];
 // per_tensor_scale float32, one value; bias optional, any float dtype, [N]. Computed in float32
 // (the weight decoded exactly), bias added in float32, returned in x's dtype as [..., N]. Meant
-// for few rows: each weight row is decoded once per four activation rows.
+// for few rows: each weight row is decoded once per kMB activation rows.
 torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale,
                               torch::Tensor per_tensor_scale, int64_t k, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(k > 0 && k % 2 == 0, "k: a positive even number, got ", k);
@@ -174,40 +113,18 @@ torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tenso
   if (has_bias) TORCH_CHECK(bias->numel() == N, "bias: expected ", N, " values, got ", bias->numel());
   const float pts = per_tensor_scale.item<float>();
   const auto x2 = x.reshape({-1, k}).to(torch::kFloat32).contiguous();
-  const int64_t chunk = 2 * CHUNK_BYTES;  // elements per load of the build's vector width
-  const int64_t M = x2.size(0), chunks = (k + chunk - 1) / chunk, stride = chunks * chunk;
-  auto xperm = torch::empty({M, stride}, x2.options());
-  permute_rows(x2.data_ptr<float>(), xperm.data_ptr<float>(), M, k, chunks, chunk);
+  const int64_t M = x2.size(0), ld = (k + FP4_CHUNK - 1) / FP4_CHUNK * FP4_CHUNK;
+  auto xp = torch::empty({M, ld}, x2.options());
+#if defined(__AVX2__)
+  fp4_layout_rows(x2.data_ptr<float>(), xp.data_ptr<float>(), M, k, ld);
+#else
+  xp.narrow(1, 0, k).copy_(x2);  // the plain loop reads x in order
+#endif
   const auto q = qdata.contiguous();
   const auto s = scale.contiguous();
   auto y = torch::empty({M, N}, x2.options());
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const uint8_t* sp = static_cast<const uint8_t*>(s.data_ptr());
-  const float* xp = xperm.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    DenormalsKept keep;
-    float acc[4];
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = qp + n * (k / 2);
-      const uint8_t* sc = sp + n * B;
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t rows = std::min<int64_t>(4, M - m);
-        const float* xm = xp + m * stride;
-#if defined(__AVX2__) || defined(__AVX512F__)
-        switch (rows) {
-          case 4: row_dots<4>(row, sc, k, pts, xm, stride, acc); break;
-          case 3: row_dots<3>(row, sc, k, pts, xm, stride, acc); break;
-          case 2: row_dots<2>(row, sc, k, pts, xm, stride, acc); break;
-          default: row_dots<1>(row, sc, k, pts, xm, stride, acc); break;
-        }
-#else
-        row_dots_scalar(row, sc, k, pts, xm, stride, rows, acc);
-#endif
-        for (int64_t i = 0; i < rows; ++i) yp[(m + i) * N + n] = acc[i];
-      }
-    }
-  });
+  nvfp4_gemv(xp.data_ptr<float>(), ld, M, q.data_ptr<uint8_t>(), static_cast<const uint8_t*>(s.data_ptr()), pts,
+             y.data_ptr<float>(), N, k);
   if (has_bias) y.add_(bias->reshape({N}).to(torch::kFloat32));
   auto sizes = x.sizes().vec();
   sizes.back() = N;
