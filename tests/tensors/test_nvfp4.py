@@ -255,7 +255,9 @@ def test_weight_only_leaves_activations_alone():
     t = NVFP4Tensor.from_float(torch.randn(8, 64))
     x = torch.randn(3, 64)
     assert t.simulate_input_quantization(x) is x
-    assert torch.equal(F.linear(x, t), F.linear(x, t.dequantize()))
+    # Equal to the float product on the decoded weight up to float32 summation order (the CPU GEMV
+    # sums in its own order); NVFP4 activations would be off by ~10%.
+    torch.testing.assert_close(F.linear(x, t), F.linear(x, t.dequantize()), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- 3-D weights
