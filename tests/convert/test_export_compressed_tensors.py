@@ -295,7 +295,7 @@ def test_existing_out_and_non_aoq_source_are_refused(float_dir, tmp_path):
     assert not (tmp_path / "taken" / "keep.txt").exists()
     with pytest.raises(ExportError, match="not 'aoq'"):
         export_checkpoint(float_dir, tmp_path / "x")
-    with pytest.raises(ExportError, match="convert takes torchao or compressed-tensors"):
+    with pytest.raises(ExportError, match="convert takes torchao, compressed-tensors"):
         convert_checkpoint(src, tmp_path / "y")
 
 
