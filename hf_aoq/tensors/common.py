@@ -93,12 +93,13 @@ def _slice(func, types, args, kwargs):
     return self.to_canonical().slice_fields(dim, start, end)
 
 
-def check_weight(weight: torch.Tensor, name: str) -> None:
-    """A weight that `from_float` can take: a plain, non-empty 2-D float tensor."""
+def check_weight(weight: torch.Tensor, name: str, *, ndims: tuple[int, ...] = (2,), shapes: str = "a 2-D") -> None:
+    """A weight that `from_float` can take: a plain, non-empty float tensor of `ndims` dimensions
+    (`shapes` says which in the error)."""
     if isinstance(weight, AOQTensor):
         raise AOQError(f"{name} is already quantized ({type(weight).__name__})")
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-        raise AOQError(f"{name}: expected a 2-D weight, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if not isinstance(weight, torch.Tensor) or weight.ndim not in ndims:
+        raise AOQError(f"{name}: expected {shapes} weight, got shape {tuple(getattr(weight, 'shape', ()))}")
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
     if weight.numel() == 0:

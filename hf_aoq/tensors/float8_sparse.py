@@ -41,7 +41,7 @@ import torch
 from ..core.errors import AOQError
 from ..core.primitives import FLOAT8_DTYPES, by_row_chunks, choose_scale_float8, quantize_float8
 from ..core.registry import register_tensor_type
-from .common import BlockGridTensor, check_built
+from .common import BlockGridTensor, check_built, check_weight
 from .experts import quantize_experts
 from .float8 import quantize_input_float8
 from .sharding import CUT_RULES
@@ -121,17 +121,7 @@ def check_positions(packed: torch.Tensor, k: int, where: str = "field 'positions
 
 # ---------------------------------------------------------------------- the tensor type
 def _check_sparse_weight(weight, name: str) -> None:
-    from ..core.tensor import AOQTensor
-
-    if isinstance(weight, AOQTensor):
-        raise AOQError(f"{name} is already quantized ({type(weight).__name__})")
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-        raise AOQError(f"{name}: Float8SemiSparseTensor takes a 2-D [N, K] (or 3-D experts [E, N, K]) weight, got "
-                       f"shape {tuple(getattr(weight, 'shape', ()))}")
-    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
-    if weight.numel() == 0:
-        raise AOQError(f"{name}: cannot quantize an empty weight of shape {tuple(weight.shape)}")
+    check_weight(weight, name, shapes="a 2-D [N, K] (or 3-D experts [E, N, K], through their own path)")
     if weight.shape[-1] % GROUP:
         raise AOQError(f"{name}: 2:4 sparsity needs an input dimension that is a multiple of 4, got shape "
                        f"{tuple(weight.shape)}; leave this layer unquantized or use another scheme")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
-from .common import BlockGridTensor, check_built
+from .common import BlockGridTensor, check_built, check_weight
 
 BLOCK_SIZE = 32  # OCP MX v1.0 defines k = 32 for every concrete format
 FP4 = torch.float4_e2m1fn_x2
@@ -142,17 +142,7 @@ def _check_elem(value, what: str, allowed: tuple, where: str) -> None:
 
 
 def _check_mx_weight(weight, name: str) -> None:
-    from ..core.tensor import AOQTensor
-
-    if isinstance(weight, AOQTensor):
-        raise AOQError(f"{name} is already quantized ({type(weight).__name__})")
-    if not isinstance(weight, torch.Tensor) or weight.ndim not in (2, 3):
-        raise AOQError(f"{name}: MXTensor takes a 2-D [N, K] or 3-D [E, N, K] weight, got shape "
-                       f"{tuple(getattr(weight, 'shape', ()))}")
-    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
-    if weight.numel() == 0:
-        raise AOQError(f"{name}: cannot quantize an empty weight of shape {tuple(weight.shape)}")
+    check_weight(weight, name, ndims=(2, 3), shapes="a 2-D [N, K] or 3-D [E, N, K]")
 
 
 @register_tensor_type

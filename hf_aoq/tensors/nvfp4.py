@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
-from .common import BlockGridTensor, check_built
+from .common import BlockGridTensor, check_built, check_weight
 from .experts import quantize_experts
 from .mx import FP4, decode_e2m1, encode_e2m1
 
@@ -93,17 +93,7 @@ def nvfp4_dequantize(qdata: torch.Tensor, scale: torch.Tensor, per_tensor_scale:
 
 # ---------------------------------------------------------------------- the tensor type
 def _check_weight(weight, name: str) -> None:
-    from ..core.tensor import AOQTensor
-
-    if isinstance(weight, AOQTensor):
-        raise AOQError(f"{name} is already quantized ({type(weight).__name__})")
-    if not isinstance(weight, torch.Tensor) or weight.ndim not in (2, 3):
-        raise AOQError(f"{name}: NVFP4Tensor takes a 2-D [N, K] or 3-D [E, N, K] weight, got shape "
-                       f"{tuple(getattr(weight, 'shape', ()))}")
-    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise AOQError(f"{name}: expected a float32, bfloat16 or float16 weight, got {weight.dtype}")
-    if weight.numel() == 0:
-        raise AOQError(f"{name}: cannot quantize an empty weight of shape {tuple(weight.shape)}")
+    check_weight(weight, name, ndims=(2, 3), shapes="a 2-D [N, K] or 3-D [E, N, K]")
     if weight.shape[-1] % 2:
         raise AOQError(f"{name}: NVFP4 (e2m1, two per byte) needs an even input dimension, got shape "
                        f"{tuple(weight.shape)}")
