@@ -355,6 +355,35 @@ def test_loader_refuses_fields_that_contradict_the_attributes(change, match, tmp
         MXTensor.check_fields(fields)
 
 
+@pytest.mark.parametrize("fmt, special", [(E4M3, [0x7F, 0xFF]), (E5M2, [0x7C, 0x7D, 0x7E, 0x7F, 0xFC, 0xFD, 0xFE, 0xFF])])
+def test_loader_refuses_inf_and_nan_element_codes(fmt, special, tmp_path):
+    # The C++ kernels decode codes by a bit trick with no special values, so a weight holding
+    # them would give finite outputs where the reference gives NaN/inf: files holding them are
+    # refused. Every other code loads (so the check is not refusing too much).
+    t = MXTensor.from_float(torch.randn(8, 256), fmt)
+    ok = dict(t.fields(), qdata=torch.tensor([c for c in range(256) if c not in special] * 9,
+                                             dtype=torch.uint8)[: 8 * 256].reshape(8, 256).view(fmt))
+    MXTensor.check_fields(ok)
+    for code in special:
+        codes = t.qdata.view(torch.uint8).clone()
+        codes[5, 37] = code
+        with pytest.raises(AOQError, match=r"field 'qdata': 1 .* element codes are .*\(5, 37\)"):
+            MXTensor.check_fields(dict(t.fields(), qdata=codes.view(fmt)))
+    # Through the loader: a valid file whose stored qdata is changed to hold one NaN code.
+    from safetensors import safe_open
+    from safetensors.torch import save_file as raw_save
+
+    path = tmp_path / "w.safetensors"
+    serialization.save_file({"w": t}, path)
+    with safe_open(str(path), "pt") as f:
+        meta, raw = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    key = next(k for k, v in raw.items() if v.dtype == fmt)
+    raw[key].view(torch.uint8)[5, 37] = special[0]
+    raw_save(raw, str(path), metadata=meta)
+    with pytest.raises(FormatError, match=r"w\.safetensors.*field 'qdata': 1 .* element codes are"):
+        serialization.load_file(path)
+
+
 # ---------------------------------------------------------------------- everywhere the other types go
 def tiny_mlp():
     torch.manual_seed(0)
