@@ -33,7 +33,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -43,6 +42,9 @@ import time
 from pathlib import Path
 
 import bench_llama_cpp  # beside this script (scripts/ is sys.path[0] when it runs)
+from bench_machine import (dir_bytes, machine_info, measure_bandwidth, measure_copy_bandwidth, model_bytes,
+                           peak_rss_mb, rss_mb)
+from bench_report import compiled_keys, markdown, ratio
 
 REPO = Path(__file__).resolve().parent.parent
 PROSE = REPO / "tests" / "data" / "lee_background.cor"
@@ -94,54 +96,6 @@ class BenchError(Exception):
 
 
 # ---------------------------------------------------------------------------- helpers (child side)
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def peak_rss_mb() -> float:
-    return _status_kb("VmHWM") / 1024
-
-
-def rss_mb() -> float:
-    return _status_kb("VmRSS") / 1024
-
-
-def tensor_bytes(t) -> int:
-    """Storage bytes of a tensor; a wrapper subclass (hf_aoq, torchao, quanto) is counted by its fields."""
-    import torch
-
-    if isinstance(t, torch.nn.Parameter):
-        t = t.data
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
-
-
-def model_bytes(model) -> tuple[int, int]:
-    """(bytes of all parameters, bytes read per decoded token). The second leaves out the input
-    embedding (one row is read per token) unless it is the lm_head weight too, and counts of
-    fused MoE experts [E, N, K] only the top-k a token is routed to."""
-    total = sum(tensor_bytes(p) for p in model.parameters())  # parameters() counts a tied weight once
-    emb = model.get_input_embeddings().weight
-    out = model.get_output_embeddings()
-    tied = out is not None and out.weight is emb
-    per_token = total if tied else total - tensor_bytes(emb)
-    top_k = getattr(model.config, "num_experts_per_tok", None)
-    for name, p in model.named_parameters():
-        if top_k and ".experts." in name and p.ndim == 3:
-            per_token -= tensor_bytes(p) * (p.shape[0] - top_k) // p.shape[0]
-    return total, per_token
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
 
 def hf_aoq_config(scheme: str, recipe=None):
     import hf_aoq
@@ -455,56 +409,6 @@ def run_child(a) -> int:
 
 # ---------------------------------------------------------------------------- parent side
 
-def measure_bandwidth(megabytes: int, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: best of `repeats` sums over a float32 buffer of `megabytes`."""
-    import torch
-
-    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
-
-
-def measure_copy_bandwidth(megabytes: int, repeats: int = 5) -> float:
-    """Bytes moved per second (read + write) by a copy of a `megabytes` buffer: a check that the
-    sum above is memory-bound (were it compute-bound, a copy would move more bytes per second)."""
-    import torch
-
-    x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        y.copy_(x)
-        best = min(best, time.perf_counter() - start)
-    return 2 * x.numel() * 4 / best
-
-
-def machine_info(a) -> dict:
-    """What the machine is: CPU model, the instruction sets that matter (and what the OS allows),
-    which build of hf_aoq's kernels it loads, threads, versions."""
-    import torch
-    import transformers
-
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch_threads": a.threads or torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
-    try:
-        from hf_aoq.kernels import cpu_ext, cpu_isa
-
-        info.update(cpu_isa.describe())
-        info["hf_aoq_extension_isa"] = cpu_ext.chosen_isa()
-    except ImportError:
-        pass
-    return info
-
-
 def batches(a) -> list[int]:
     return [int(b) for b in str(a.batches).split(",") if b.strip()]
 
@@ -569,92 +473,6 @@ def default_model_dir(a) -> Path:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def fmt(v, spec: str = ".2f", none: str = "–") -> str:
-    if v is None:
-        return none
-    if isinstance(v, float) and v == float("inf"):
-        return "inf"
-    return format(v, spec)
-
-
-def ratio(x, y):
-    return None if x is None or y is None or y == 0 else x / y
-
-
-def compiled_keys(results: dict) -> list[tuple[str, str]]:
-    """(eager key, compiled key) of each decode measured compiled: (decode_tps, compiled_decode_tps),
-    (decode_tps_b4, compiled_decode_tps_b4), ..."""
-    keys = {k for r in results.values() for k in r if k.startswith("compiled_decode_tps") and not k.endswith("_runs")}
-    return sorted(((k.removeprefix("compiled_"), k) for k in keys), key=lambda kv: (len(kv[0]), kv[0]))
-
-
-def compiled_markdown(rows: dict) -> list[str]:
-    """The compiled rows: each config's decode eager and compiled, ratios to eager bf16."""
-    pairs = compiled_keys(rows)
-    if not pairs:
-        return []
-    base = rows.get("bf16", {})
-    batch = lambda k: "b1" if k == "decode_tps" else k.removeprefix("decode_tps_")  # noqa: E731
-    head = "| config |" + "".join(f" {batch(e)} eager tok/s | ×bf16 | {batch(e)} compiled tok/s | ×bf16 eager | "
-                                  f"compiled/eager |" for e, _ in pairs) + " compile s (b1) | kernels in a compiled step |"
-    lines = ["", "Compiled decode: static KV cache, the step under torch.compile (fullgraph, static shapes); "
-             "ratios to eager bf16 (its decode tok/s columns above); compiled/eager: against eager runs alternated with the "
-             "compiled ones; compile s: the first compiled step, compilation included.", "",
-             head, "|" + " --- |" * (head.count("|") - 1)]
-    for name, r in rows.items():
-        if not any(c in r for _, c in pairs):
-            continue
-        cells = [name]
-        for e, c in pairs:
-            side_by_side = r.get("compiled_eager_" + e, r.get(e))
-            cells += [fmt(r.get(e)), fmt(ratio(r.get(e), base.get(e))), fmt(r.get(c)), fmt(ratio(r.get(c), base.get(e))),
-                      fmt(ratio(r.get(c), side_by_side))]
-        cells += [fmt(r.get("compile_s"), ".1f"), "; ".join(r.get("kernels_decode_compiled") or []) or "–"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def markdown(report: dict) -> str:
-    rows = report["results"]
-    base = rows.get("bf16", {})
-    extra = sorted({int(k[len("decode_tps_b"):]) for r in rows.values() for k in r if k.startswith("decode_tps_b")})
-    head = ("| config | load s | load peak RSS MB | peak RSS MB | model MB | size ×bf16 | decode tok/s | ×bf16 | decode limit tok/s "
-            "| % of limit |" + "".join(f" decode b{b} tok/s | ×bf16 |" for b in extra) +
-            " prefill s | ×bf16 | save MB | reload s | reload peak RSS MB | SQNR dB | top-1 |")
-    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    for name, r in rows.items():
-        if r.get("error") and "decode_tps" not in r:
-            lines.append(f"| {name} | {r['error']} |" + " |" * (head.count("|") - 3))
-            continue
-        mb = r.get("model_bytes")
-        lines.append("| " + " | ".join([
-            name, fmt(r.get("load_s"), ".1f"), fmt(r.get("load_peak_rss_mb"), ".0f"), fmt(r.get("peak_rss_mb"), ".0f"),
-            fmt(mb / 1e6 if mb else None, ".1f"), fmt(ratio(mb, base.get("model_bytes")), ".2f"),
-            fmt(r.get("decode_tps"), ".2f"), fmt(ratio(r.get("decode_tps"), base.get("decode_tps")), ".2f"),
-            fmt(r.get("decode_limit_tps"), ".1f"),
-            fmt(None if ratio(r.get("decode_tps"), r.get("decode_limit_tps")) is None
-                else 100 * ratio(r.get("decode_tps"), r.get("decode_limit_tps")), ".0f"),
-            *[v for b in extra for v in (fmt(r.get(f"decode_tps_b{b}"), ".2f"),
-                                         fmt(ratio(r.get(f"decode_tps_b{b}"), base.get(f"decode_tps_b{b}")), ".2f"))],
-            fmt(r.get("prefill_s"), ".2f"),
-            fmt(ratio(r.get("prefill_s"), base.get("prefill_s")), ".2f"),
-            fmt(r["save_bytes"] / 1e6 if r.get("save_bytes") else None, ".1f"), fmt(r.get("reload_s"), ".1f"),
-            fmt(r.get("reload_peak_rss_mb"), ".0f"), fmt(r.get("sqnr_db"), ".1f"), fmt(r.get("top1_agree"), ".3f"),
-        ]) + " |")
-    used = {name: r for name, r in rows.items() if r.get("kernels_prefill") or r.get("kernels_decode")}
-    if used:
-        lines += ["", "| config | kernels in prefill (calls) | kernels in a batch-1 decode step (calls) |", "| --- | --- | --- |"]
-        for name, r in used.items():
-            lines.append(f"| {name} | {'; '.join(r.get('kernels_prefill') or [])} | {'; '.join(r.get('kernels_decode') or [])} |")
-    lines += compiled_markdown(rows)
-    peers = report.get("vs_peers") or {}
-    if peers:
-        lines += ["", "| hf_aoq vs peer | decode tok/s ratio | prefill s ratio | model bytes ratio |", "| --- | --- | --- | --- |"]
-        for key, v in peers.items():
-            lines.append(f"| {key} | {fmt(v.get('decode_tps'))} | {fmt(v.get('prefill_s'))} | {fmt(v.get('model_bytes'))} |")
-    return "\n".join(lines + bench_llama_cpp.markdown(report, fmt))
 
 
 def run_llama_cpp(a, model_dir: Path, results: dict, notes: list) -> dict:
