@@ -133,6 +133,7 @@ CONFIGS = {
     "fp8_tensor": hf_aoq.Float8WeightOnlyConfig(granularity=hf_aoq.PerTensor()),
     "mxfp8": hf_aoq.MXFPInferenceConfig(),
     "mxfp4": hf_aoq.MXFPInferenceConfig(weight_dtype=torch.float4_e2m1fn_x2),
+    "fp6": hf_aoq.FPXWeightOnlyConfig(),  # rowwise: 64 codes of 6 bits, 48 whole bytes per rank
 }
 
 
