@@ -312,6 +312,21 @@ def test_cli_quantize_and_inspect(tiny_llama_dir, tmp_path, capsys):
     assert "fp6 e3m2 per-row" in (out / "README.md").read_text()
 
 
+def check_rows_decode_by_the_reference(t, dequantized, name):
+    """Each row's bit stream, read by hand, times its scale is the stored answer (2-D [N, K] or
+    3-D [E, N, K]: every expert's rows)."""
+    k = t.shape[-1]
+    bits = 1 + t.ebits + t.mbits
+    qdata, scale = t.qdata.reshape(-1, t.qdata.shape[-1]), t.scale.reshape(-1)
+    for r, want_row in enumerate(dequantized.reshape(-1, k)):
+        data = qdata[r].tolist()
+        codes = [sum(((data[(c * bits + j) // 8] >> ((c * bits + j) % 8)) & 1) << j for j in range(bits))
+                 for c in range(k)]
+        s = scale[r].item()
+        want = torch.tensor([f32(ref_value(c, t.ebits, t.mbits) * s) for c in codes]).to(t.dtype)
+        assert torch.equal(want, want_row), (name, r)
+
+
 def test_the_v1_fixture_loads_and_decodes_as_the_format_says():
     """tests/fixtures/v1_fpx.safetensors (scripts/make_fixtures.py, manifest.fpx.json): every
     format loads, and its bits decode, by the reference above, to the stored answers."""
@@ -327,15 +342,7 @@ def test_the_v1_fixture_loads_and_decodes_as_the_format_says():
     quantized = {n: t for n, t in loaded.items() if isinstance(t, FPxTensor)}
     assert sorted((t.ebits, t.mbits) for t in quantized.values()) == sorted(FORMATS + ((3, 2),))
     for name, t in quantized.items():
-        n, k = t.shape
-        bits = 1 + t.ebits + t.mbits
-        for r in range(n):
-            data = t.qdata[r].tolist()
-            codes = [sum(((data[(c * bits + j) // 8] >> ((c * bits + j) % 8)) & 1) << j for j in range(bits))
-                     for c in range(k)]
-            s = t.scale[r, 0].item()
-            want = torch.tensor([f32(ref_value(c, t.ebits, t.mbits) * s) for c in codes]).to(t.dtype)
-            assert torch.equal(want, expected[f"{name}.dequantized"][r]), (name, r)
+        check_rows_decode_by_the_reference(t, expected[f"{name}.dequantized"], name)
     special = quantized["e3m2_special_f16"]
     assert special.scale[1, 0].item() == 2.0 ** -24 and special.codes()[2, :2].tolist() == [32, 32]  # -0, -0
 
@@ -413,3 +420,27 @@ def test_bad_expert_weights_are_refused_by_name(tmp_path):
             serialization.save_file({"experts.w": t.replace(**change)}, path)
         with pytest.raises(FormatError, match=rf"tensor 'experts.w', {match}"):
             serialization.load_file(path)
+
+
+def test_the_v1_fpx3d_fixture_holds_experts_that_decode_as_the_format_says():
+    """tests/fixtures/v1_fpx3d.safetensors (manifest.fpx3d.json): fused experts [E, N, K], their
+    fields [E, N, bytes] and [E, N, 1], decoded by the reference; one expert runs as a linear."""
+    from pathlib import Path
+
+    import safetensors.torch
+    import torch.nn.functional as F
+
+    from hf_aoq import serialization
+
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    loaded = serialization.load_file(str(fixtures / "v1_fpx3d.safetensors"))
+    expected = safetensors.torch.load_file(fixtures / "v1_fpx3d.expected.safetensors")
+    quantized = {n: t for n, t in loaded.items() if isinstance(t, FPxTensor)}
+    assert sorted((t.ebits, t.mbits) for t in quantized.values()) == [(2, 1), (2, 2), (3, 2)]
+    for name, t in quantized.items():
+        e, n, k = t.shape
+        assert t.qdata.shape == (e, n, -(-k * (1 + t.ebits + t.mbits) // 8)) and t.scale.shape == (e, n, 1), name
+        check_rows_decode_by_the_reference(t, expected[f"{name}.dequantized"], name)
+        x = expected[f"{name}.input"]
+        torch.testing.assert_close(F.linear(x, t[e - 1]).double(), expected[f"{name}.linear"][e - 1],
+                                   rtol=2 ** -6, atol=2 ** -6 * float(expected[f"{name}.linear"].abs().max()))
