@@ -444,3 +444,28 @@ def test_the_v1_fpx3d_fixture_holds_experts_that_decode_as_the_format_says():
         x = expected[f"{name}.input"]
         torch.testing.assert_close(F.linear(x, t[e - 1]).double(), expected[f"{name}.linear"][e - 1],
                                    rtol=2 ** -6, atol=2 ** -6 * float(expected[f"{name}.linear"].abs().max()))
+
+
+def test_cli_quantizes_a_tiny_mixtral_with_scheme_fp6_and_inspect_names_its_experts(tmp_path, capsys):
+    import re
+
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from hf_aoq import cli
+
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, num_local_experts=4,
+                                     num_experts_per_tok=2)).save_pretrained(tmp_path / "float")
+    out = tmp_path / "fp6"
+    assert cli.main(["quantize", str(tmp_path / "float"), "--scheme", "fp6", "--out", str(out)]) == 0
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    # Fused experts stay one 3-D tensor on disk (Mixtral saves mlp. as block_sparse_moe.).
+    assert re.search(r"^model.layers.0.block_sparse_moe.experts.gate_up_proj\s+fp6 e3m2 per-row\s+4x192x64\s", text,
+                     re.M), text
+    assert re.search(r"^model.layers.0.block_sparse_moe.experts.down_proj\s+fp6 e3m2 per-row\s+4x64x96\s", text, re.M)
+    assert text.rstrip().endswith("every tensor loads: yes")
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    t = model.get_parameter("model.layers.0.mlp.experts.down_proj")
+    assert isinstance(t, FPxTensor) and t.shape == (4, 64, 96) and t.scale.shape == (4, 64, 1)
