@@ -73,6 +73,8 @@ def describe(entry: serialization.TensorEntry, field_dtypes: dict[str, torch.dty
     attrs = entry.attributes
     shape = tuple(attrs.get("shape") or ())
     block = tuple(attrs.get("block_size") or ())
+    if len(shape) == 3 and len(block) == 3 and block[0] == 1:  # fused experts: each expert's 2-D layout
+        shape, block = shape[1:], block[1:]
     if len(shape) == 2 and len(block) == 2:
         if block == shape:
             grain = "per-tensor"

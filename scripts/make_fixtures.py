@@ -19,6 +19,7 @@ new capability of a type, adds a generation to `GENERATIONS` below.
     manifest.nvfp4.json           NVFP4Tensor (new type: NVIDIA FP4, e4m3 block scales of 16 and a
                                   float32 per-tensor scale; 2-D and 3-D experts), schema version 1
     manifest.fpx.json             FPxTensor (new type: sub-byte floats, a scale per row), schema version 1
+    manifest.fpx3d.json           FPxTensor fused experts [E, N, K] (3-D)
     manifest.fp8_sparse.json      Float8SemiSparseTensor (new type: 2:4 sparse float8), schema version 1
     manifest.awq_input_scale.json Int4Tensor and Int4DQTensor with the optional input_scale
                                   (AWQ scales that could not fold), schema version 1
@@ -305,6 +306,19 @@ def state_dicts_fpx() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_fpx3d() -> dict[str, dict[str, torch.Tensor]]:
+    ranges = torch.tensor([1.0, 8.0, 0.125])[:, None, None]  # experts of different ranges: a scale each row
+    return {
+        "v1_fpx3d": {
+            # Fused experts [E, N, K]: the fp6 scheme (e3m2), and rows ending inside a byte (K = 13, 20).
+            "e3m2_experts_bf16": FPxTensor.from_float(experts_weight(65, 3, 8, 40, F32).mul(ranges).to(BF16), 3, 2),
+            "e2m2_experts_k13_f32": FPxTensor.from_float(experts_weight(66, 2, 4, 13, F32), 2, 2),
+            "e2m1_experts_k20_f16": FPxTensor.from_float(experts_weight(67, 2, 4, 20, F16), 2, 1),
+            "experts_bias": torch.linspace(-1, 1, 24, dtype=BF16).reshape(3, 8),
+        },
+    }
+
+
 def state_dicts_fp8_sparse() -> dict[str, dict[str, torch.Tensor]]:
     sparse = Float8SemiSparseTensor.from_float
     ties = (torch.randint(-3, 4, (7, 32), generator=torch.Generator().manual_seed(64)).float() / 4)
@@ -354,6 +368,7 @@ GENERATIONS = {
     "manifest.mx3d.json": state_dicts_mx3d,
     "manifest.nvfp4.json": state_dicts_nvfp4,
     "manifest.fpx.json": state_dicts_fpx,
+    "manifest.fpx3d.json": state_dicts_fpx3d,
     "manifest.fp8_sparse.json": state_dicts_fp8_sparse,
     "manifest.awq_input_scale.json": state_dicts_awq_input_scale,
 }

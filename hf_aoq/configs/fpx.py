@@ -15,7 +15,8 @@ class FPXWeightOnlyConfig(AOQBaseConfig):
     """Weight-only sub-byte floats (FPxTensor): 1 sign bit, `ebits` exponent and `mbits` mantissa
     bits per weight, one scale per output row (row max / the format's largest value). (ebits,
     mbits) is one of tensors.fpx.FORMATS: (3, 2) fp6 e3m2 (the default here; torchao's config has
-    none), (2, 3) fp6 e2m3, (2, 2) and (3, 1) fp5, (3, 0) and (2, 1) fp4. torchao's
+    none), (2, 3) fp6 e2m3, (2, 2) and (3, 1) fp5, (3, 0) and (2, 1) fp4. Fused MoE experts
+    [E, N, K] are quantized expert by expert into one 3-D FPxTensor. torchao's
     `set_inductor_config` has no counterpart (hf_aoq sets no inductor options) and is not a field."""
 
     ebits: int = fpx.DEFAULT_FORMAT[0]

@@ -8,6 +8,8 @@ Canonical layout (what is saved), weight [N, K], b = 1 + ebits + mbits:
     scale   [N, 1]                       per row, in the weight's dtype (any 16/32-bit float loads)
     ebits, mbits                         one of FORMATS
     w[n, k] = value(code[n, k]) * scale[n], in float32, then rounded to the tensor's dtype
+Fused experts [E, N, K] (tensors/experts.py): each expert quantized as a 2-D weight, every field
+with E in front (qdata [E, N, ceil(K * b / 8)], scale [E, N, 1]) and block_size (1, 1, K).
 
 A code is S E..E M..M (sign in bit b-1, the exponent field E above the mantissa field M), bias
 2^(ebits-1) - 1, and every code is finite (no inf or NaN encodings, as torchao's):
@@ -30,6 +32,7 @@ from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite
 from ..core.registry import register_tensor_type
 from .common import BlockGridTensor, check_built, check_grid_fields, check_layout, check_weight, slice_grid
+from .experts import quantize_experts
 from .intx import pack_intx, unpack_intx
 
 # (ebits, mbits): the formats torchao's Quant-LLM documentation gives figures for (fp6 e3m2, its
@@ -119,9 +122,12 @@ class FPxTensor(BlockGridTensor):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, ebits: int = 3, mbits: int = 2, *, name: str = "weight"):
-        """Quantize a float [N, K] weight to 1 + ebits + mbits bit floats with a scale per row."""
-        check_weight(weight, name)
+        """Quantize a float [N, K] weight to 1 + ebits + mbits bit floats with a scale per row; a
+        3-D [E, N, K] weight (fused experts) expert by expert."""
+        check_weight(weight, name, ndims=(2, 3), shapes="a 2-D [N, K] or 3-D [E, N, K] (fused experts)")
         check_format(ebits, mbits, f"{name}: FPxTensor")
+        if weight.ndim == 3:
+            return quantize_experts(cls.from_float, weight, name, ebits=ebits, mbits=mbits)
         check_finite(weight, name)
         qdata, scale = by_row_chunks(weight, lambda w: fpx_quantize(w, ebits, mbits))
         out = cls(qdata, scale, ebits, mbits, (1, weight.shape[1]), weight.shape, weight.dtype)
@@ -133,25 +139,24 @@ class FPxTensor(BlockGridTensor):
         ebits, mbits = fields.get("ebits"), fields.get("mbits")
         check_format(ebits, mbits, "attributes 'ebits', 'mbits'")
         shape = tuple(fields["shape"])
-        if len(shape) != 2:
-            raise AOQError(f"attribute 'shape': FPxTensor is a 2-D [N, K] weight, got {shape}")
         check_layout(fields, cls.__name__, "(1, K): one scale per row", lambda b, s: tuple(b) == (1, s[1]))
-        check_grid_fields(fields, (torch.uint8,), qdata_last_dim=-(-shape[1] * (1 + ebits + mbits) // 8))
+        check_grid_fields(fields, (torch.uint8,), qdata_last_dim=-(-shape[-1] * (1 + ebits + mbits) // 8))
 
     @property
     def bits(self) -> int:
         return 1 + self.ebits + self.mbits
 
     def codes(self) -> torch.Tensor:
-        """The uint8 codes, shape [N, K]."""
+        """The uint8 codes, of the tensor's shape ([N, K] or [E, N, K])."""
         return unpack_intx(self.qdata, self.bits, self.shape[-1])
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return fpx_dequantize(self.qdata, self.scale, self.ebits, self.mbits, self.shape[-1], dtype or self.dtype)
 
     def slice_fields(self, dim: int, start: int, end: int) -> "FPxTensor":
-        if dim % self.ndim == 0:
-            return slice_grid(self, 0, start, end)
+        last = self.ndim - 1
+        if dim % self.ndim != last:  # rows, or the experts of a 3-D tensor
+            return slice_grid(self, dim % self.ndim, start, end)
         # Along K a slice need not start on a byte: cut the codes, then pack them again.
-        cut = slice_grid(self.replace(qdata=self.codes()), 1, start, end)
+        cut = slice_grid(self.replace(qdata=self.codes()), last, start, end)
         return cut.replace(qdata=pack_intx(cut.qdata, self.bits))

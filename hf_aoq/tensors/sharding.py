@@ -20,6 +20,7 @@ masked out; F.embedding outside DTensor is the torch-function table's). Slicing 
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from .. import kernels
 from ..core.errors import AOQError
 from .common import BlockGridTensor, _slice
+from .fpx import FPxTensor
 from .int4dq import Int4DQTensor
 
 aten = torch.ops.aten
@@ -56,8 +58,16 @@ def _int4dq_cuts(t: Int4DQTensor, dim: int) -> FieldCuts:
     return {"qdata": (cols, 2), "gparams": (cols, t.group_size), "rparams": None, "tparams": None}
 
 
+def _fpx_cuts(t: FPxTensor, dim: int) -> FieldCuts:
+    cuts = _block_grid_cuts(t, dim)
+    if dim == t.ndim - 1:  # a row's b-bit codes are one bit stream: whole bytes hold 8 / gcd(b, 8) of them
+        cuts["qdata"] = (dim, 8 // math.gcd(t.bits, 8))
+    return cuts
+
+
 # Looked up along the MRO; a tensor type whose fields are not plain block grids adds its rule here.
-CUT_RULES: dict[type, Callable[..., FieldCuts]] = {BlockGridTensor: _block_grid_cuts, Int4DQTensor: _int4dq_cuts}
+CUT_RULES: dict[type, Callable[..., FieldCuts]] = {BlockGridTensor: _block_grid_cuts, Int4DQTensor: _int4dq_cuts,
+                                                   FPxTensor: _fpx_cuts}
 
 
 def field_cuts(t: BlockGridTensor, dim: int) -> FieldCuts:
@@ -72,7 +82,7 @@ def field_cuts(t: BlockGridTensor, dim: int) -> FieldCuts:
 
 def _group_word(field: str, per: int, t) -> str:
     if field == "qdata":
-        return f"a byte of {per} codes"
+        return f"a byte of {per} codes" if per <= 2 else f"the bytes {per} codes share"
     return f"a group of {per} (group size {per})"
 
 

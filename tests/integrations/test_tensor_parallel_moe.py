@@ -27,12 +27,13 @@ RTOL_MX = 0.04
 EP = {"tp_plan": "auto", "ep_size": 2}
 IDS = [[1, 5, 9, 33, 100, 7, 2, 200, 17, 250]]
 TYPES = {"int4": "Int4Tensor", "int4dq": "Int4DQTensor", "int8": "Int8Tensor", "fp8": "Float8Tensor",
-         "mx": "MXTensor"}
+         "mx": "MXTensor", "fp6": "FPxTensor"}
 # (model, quant, experts_implementation): int4 and int8 on Mixtral and Qwen3-MoE from both sources
 # under both plans; the others each source under one plan, alternating.
 RUNS = [(m, q, None) for m in ("mixtral", "qwen3_moe") for q in ("int4", "int8")]
 RUNS += [("mixtral", q, None) for q in ("int4dq", "fp8", "mx")]
 RUNS += [("gpt_oss", "int4", None), ("mixtral", "int4", "eager"), ("mixtral", "int8", "batched_mm")]
+RUNS += [("mixtral", "fp6", None)]  # last, so the runs above keep their plans
 FULL = 4  # the first FULL runs: every source under every plan
 
 
@@ -133,6 +134,7 @@ CONFIGS = {
     "fp8_tensor": hf_aoq.Float8WeightOnlyConfig(granularity=hf_aoq.PerTensor()),
     "mxfp8": hf_aoq.MXFPInferenceConfig(),
     "mxfp4": hf_aoq.MXFPInferenceConfig(weight_dtype=torch.float4_e2m1fn_x2),
+    "fp6": hf_aoq.FPXWeightOnlyConfig(),  # rowwise: 64 codes of 6 bits, 48 whole bytes per rank
 }
 
 

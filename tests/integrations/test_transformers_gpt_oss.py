@@ -17,6 +17,7 @@ from hf_aoq import (
     AOQConfig,
     AOQTensor,
     Float8WeightOnlyConfig,
+    FPXWeightOnlyConfig,
     FqnToConfig,
     Int4DQWeightOnlyConfig,
     Int4Tensor,
@@ -36,11 +37,12 @@ SCHEMES = {
     "int4dq": lambda: Int4DQWeightOnlyConfig(group_size=32),
     "fp8": lambda: Float8WeightOnlyConfig(),
     "mxfp4": lambda: MXFPInferenceConfig(activation_dtype=None, weight_dtype=torch.float4_e2m1fn_x2),
+    "fp6": lambda: FPXWeightOnlyConfig(),
 }
 # Logit SQNR (dB) against the bf16 model, every linear and expert quantized, on this random tiny
-# model (measured: int4 18.1, int4dq 20.9, int8 42.1, fp8 22.5, mxfp4 15.6; the experts quantized
+# model (measured: int4 18.1, int4dq 20.9, int8 42.1, fp8 22.5, mxfp4 15.6, fp6 23.1; the experts quantized
 # as stored, groups along "out", gave 18.9, 20.2, 41.7, 22.4: random weights favour neither axis).
-SQNR_VS_BF16 = {"int4": 15, "int8": 38, "int4dq": 17, "fp8": 19, "mxfp4": 12}
+SQNR_VS_BF16 = {"int4": 15, "int8": 38, "int4dq": 17, "fp8": 19, "mxfp4": 12, "fp6": 20}
 # Against the same weights dequantized and run in float (the reference path): the kernels round
 # activations and partial sums differently (measured 44.5 to 45.3 dB; mxfp4's GEMV computes in
 # float32 on the exact weight: equal).
@@ -144,7 +146,7 @@ def test_quantize_gives_the_tensors_of_quantize_on_load(gpt_oss_dir, ids, scheme
         assert expert_kernels and "reference" not in expert_kernels
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4", "fp6"])
 def test_save_and_reload_with_no_user_action(gpt_oss_dir, ids, scheme, tmp_path):
     model = load(gpt_oss_dir, quantization_config=AOQConfig(SCHEMES[scheme]()))
     expected = logits(model, ids)

@@ -29,6 +29,8 @@ from hf_aoq import (
     AOQConfig,
     AOQTensor,
     Float8WeightOnlyConfig,
+    FPxTensor,
+    FPXWeightOnlyConfig,
     FqnToConfig,
     Int4DQWeightOnlyConfig,
     Int4Tensor,
@@ -118,9 +120,18 @@ def test_every_experts_implementation_runs_on_quantized_experts(moe, ids, implem
     assert sqnr(want, out) > 30, implementation
 
 
-def test_round_trip_through_shards_keeps_logits(moe, ids, tmp_path):
+# (the _default config, down_proj's, and the types they give)
+ROUND_TRIPS = {
+    "int4+int8": (lambda: Int4WeightOnlyConfig(group_size=32), Int8WeightOnlyConfig, Int4Tensor, Int8Tensor),
+    "fp6+fp5": (FPXWeightOnlyConfig, lambda: FPXWeightOnlyConfig(2, 2), FPxTensor, FPxTensor),
+}
+
+
+@pytest.mark.parametrize("recipe_name", sorted(ROUND_TRIPS))
+def test_round_trip_through_shards_keeps_logits(moe, ids, tmp_path, recipe_name):
     name, path = moe
-    recipe = FqnToConfig({"_default": Int4WeightOnlyConfig(group_size=32), "re:.*down_proj": Int8WeightOnlyConfig()})
+    default, down, default_type, down_type = ROUND_TRIPS[recipe_name]
+    recipe = FqnToConfig({"_default": default(), "re:.*down_proj": down()})
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=AOQConfig(recipe))
     expected = logits(model, ids)
     model.save_pretrained(tmp_path, max_shard_size="40KB")
@@ -132,12 +143,15 @@ def test_round_trip_through_shards_keeps_logits(moe, ids, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     kinds = {n: type(unwrap(p)) for n, p in again.named_parameters() if isinstance(unwrap(p), AOQTensor)}
     assert kinds == {n: type(unwrap(p)) for n, p in model.named_parameters() if isinstance(unwrap(p), AOQTensor)}
-    assert kinds["model.layers.1.mlp.experts.down_proj"] is Int8Tensor
-    assert kinds["model.layers.1.mlp.experts.gate_up_proj"] is Int4Tensor
+    assert kinds["model.layers.1.mlp.experts.down_proj"] is down_type
+    assert kinds["model.layers.1.mlp.experts.gate_up_proj"] is default_type
     for n, p in experts_of(model).items():
         q = unwrap(again.get_parameter(n))
-        assert q.packing == p.packing, n  # placed for the kernels again
+        assert getattr(q, "packing", None) == getattr(p, "packing", None), n  # placed for the kernels again
+        assert q.attributes() == p.attributes(), n
         assert torch.equal(q.dequantize(), p.dequantize()), n
+        for field, t in p.to_canonical().tensor_fields().items():  # bit for bit
+            assert torch.equal(t.view(torch.uint8), q.to_canonical().tensor_fields()[field].view(torch.uint8)), n
     assert torch.equal(logits(again, ids), expected)
 
 

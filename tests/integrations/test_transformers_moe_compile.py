@@ -10,19 +10,26 @@ one-layer model.)
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from hf_aoq import AOQConfig, Int4Tensor, Int4WeightOnlyConfig
+import pytest
+
+from hf_aoq import AOQConfig, FPxTensor, FPXWeightOnlyConfig, Int4Tensor, Int4WeightOnlyConfig
 
 COMMON = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
               intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
 
 
-def test_compiled_moe_forward_on_quantized_experts_matches_eager(tmp_path):
+CONFIGS = {"int4": (lambda: Int4WeightOnlyConfig(group_size=32), Int4Tensor), "fp6": (FPXWeightOnlyConfig, FPxTensor)}
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_compiled_moe_forward_on_quantized_experts_matches_eager(tmp_path, kind):
+    config, tensor_type = CONFIGS[kind]
     torch.manual_seed(0)
     MixtralForCausalLM(MixtralConfig(**COMMON)).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(
         tmp_path, dtype=torch.bfloat16, experts_implementation="grouped_mm",
-        quantization_config=AOQConfig(Int4WeightOnlyConfig(group_size=32)))
-    assert type(model.get_parameter("model.layers.0.mlp.experts.gate_up_proj")) is Int4Tensor
+        quantization_config=AOQConfig(config()))
+    assert type(model.get_parameter("model.layers.0.mlp.experts.gate_up_proj")) is tensor_type
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         eager = model(ids).logits.float()

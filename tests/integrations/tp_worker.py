@@ -29,6 +29,7 @@ RECIPES = {
     "fp8": lambda h: h.Float8WeightOnlyConfig(),
     "fp8_tensor": lambda h: h.Float8WeightOnlyConfig(granularity=h.PerTensor()),
     "mx": lambda h: h.MXFPInferenceConfig(),
+    "fp6": lambda h: h.FPXWeightOnlyConfig(),
 }
 EMBEDDINGS = "+embeddings"  # a suffix: also quantize the input embedding and lm_head
 

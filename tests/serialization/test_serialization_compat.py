@@ -56,7 +56,7 @@ def read_fixture(file: str) -> dict[str, torch.Tensor]:
 def test_fixtures_are_never_regenerated():
     """If this fails, a fixture was rewritten: restore it from version control. New formats and
     schemas get new fixtures next to these; see docs/format.md."""
-    assert sorted(MANIFESTS) == ["manifest.act_variants.json", "manifest.awq_input_scale.json", "manifest.fp8_sparse.json", "manifest.fpx.json", "manifest.int4dq.json", "manifest.intx.json",
+    assert sorted(MANIFESTS) == ["manifest.act_variants.json", "manifest.awq_input_scale.json", "manifest.fp8_sparse.json", "manifest.fpx.json", "manifest.fpx3d.json", "manifest.int4dq.json", "manifest.intx.json",
                                  "manifest.intx_asym_act.json", "manifest.json", "manifest.mx.json",
                                  "manifest.mx3d.json", "manifest.nvfp4.json", "manifest.partial_groups.json"]
     for file, info in MANIFEST["files"].items():

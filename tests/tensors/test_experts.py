@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import AOQError, FormatError, Float8SemiSparseTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, NVFP4Tensor, serialization
+from hf_aoq import AOQError, FormatError, Float8SemiSparseTensor, Float8Tensor, FPxTensor, Int4DQTensor, Int4Tensor, Int8Tensor, MXTensor, NVFP4Tensor, serialization
 from hf_aoq.core.granularity import PerTensor
 from hf_aoq.tensors.experts import TransposedExperts, expert
 
@@ -22,6 +22,8 @@ SCHEMES = {
     "mxfp4": lambda w: MXTensor.from_float(w, torch.float4_e2m1fn_x2),
     "nvfp4": lambda w: NVFP4Tensor.from_float(w),
     "fp8_sparse": lambda w: Float8SemiSparseTensor.from_float(w),
+    "fp6": lambda w: FPxTensor.from_float(w),  # e3m2: 96 codes of 6 bits, 72 bytes a row
+    "fp5_e2m2": lambda w: FPxTensor.from_float(w, 2, 2),  # 60 bytes a row
 }
 
 
@@ -142,7 +144,7 @@ def test_grouped_mm_runs_expert_by_expert_and_skips_empty_groups(scheme):
     assert wt.transpose(-2, -1) is t
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "mxfp4"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "mxfp4", "fp6"])
 def test_grouped_mm_as_torch_compile_traces_it_gives_the_eager_answer(kind, monkeypatch):
     # Under torch.compile the group ends are data: every expert runs on every row and keeps its
     # group's rows (experts._grouped_mm_traced). Same rows, same zeros past the end, bias too.

@@ -184,8 +184,8 @@ def test_bad_formats_are_refused_with_the_allowed_ones(ebits, mbits):
 
 
 def test_bad_weights_and_fields_are_refused():
-    with pytest.raises(AOQError, match="2-D"):
-        FPxTensor.from_float(torch.randn(2, 3, 8))
+    with pytest.raises(AOQError, match=r"w: expected a 2-D \[N, K\] or 3-D \[E, N, K\] \(fused experts\) weight"):
+        FPxTensor.from_float(torch.randn(2, 3, 4, 8), name="w")
     with pytest.raises(AOQError, match="float32, bfloat16 or float16"):
         FPxTensor.from_float(torch.randint(0, 3, (2, 8)))
     t = FPxTensor.from_float(torch.randn(4, 20))
@@ -199,7 +199,8 @@ def test_bad_weights_and_fields_are_refused():
         (dict(scale=torch.ones(4, 1, dtype=torch.int32)), "field 'scale'"),
         (dict(block_size=(1, 10)), "attribute 'block_size'"),
         (dict(block_size=(4, 20)), "attribute 'block_size'"),
-        (dict(shape=(2, 2, 20), block_size=(1, 1, 20)), "attribute 'shape'"),
+        (dict(shape=(2, 2, 20), block_size=(1, 1, 20)), "field 'qdata'"),  # 3-D experts need 3-D fields
+        (dict(shape=(1, 2, 2, 20), block_size=(1, 1, 1, 20)), "attribute 'shape'"),
     ]:
         with pytest.raises(AOQError, match=match):
             FPxTensor.check_fields(dict(t.fields(), **change))
@@ -311,6 +312,21 @@ def test_cli_quantize_and_inspect(tiny_llama_dir, tmp_path, capsys):
     assert "fp6 e3m2 per-row" in (out / "README.md").read_text()
 
 
+def check_rows_decode_by_the_reference(t, dequantized, name):
+    """Each row's bit stream, read by hand, times its scale is the stored answer (2-D [N, K] or
+    3-D [E, N, K]: every expert's rows)."""
+    k = t.shape[-1]
+    bits = 1 + t.ebits + t.mbits
+    qdata, scale = t.qdata.reshape(-1, t.qdata.shape[-1]), t.scale.reshape(-1)
+    for r, want_row in enumerate(dequantized.reshape(-1, k)):
+        data = qdata[r].tolist()
+        codes = [sum(((data[(c * bits + j) // 8] >> ((c * bits + j) % 8)) & 1) << j for j in range(bits))
+                 for c in range(k)]
+        s = scale[r].item()
+        want = torch.tensor([f32(ref_value(c, t.ebits, t.mbits) * s) for c in codes]).to(t.dtype)
+        assert torch.equal(want, want_row), (name, r)
+
+
 def test_the_v1_fixture_loads_and_decodes_as_the_format_says():
     """tests/fixtures/v1_fpx.safetensors (scripts/make_fixtures.py, manifest.fpx.json): every
     format loads, and its bits decode, by the reference above, to the stored answers."""
@@ -326,14 +342,130 @@ def test_the_v1_fixture_loads_and_decodes_as_the_format_says():
     quantized = {n: t for n, t in loaded.items() if isinstance(t, FPxTensor)}
     assert sorted((t.ebits, t.mbits) for t in quantized.values()) == sorted(FORMATS + ((3, 2),))
     for name, t in quantized.items():
-        n, k = t.shape
-        bits = 1 + t.ebits + t.mbits
-        for r in range(n):
-            data = t.qdata[r].tolist()
-            codes = [sum(((data[(c * bits + j) // 8] >> ((c * bits + j) % 8)) & 1) << j for j in range(bits))
-                     for c in range(k)]
-            s = t.scale[r, 0].item()
-            want = torch.tensor([f32(ref_value(c, t.ebits, t.mbits) * s) for c in codes]).to(t.dtype)
-            assert torch.equal(want, expected[f"{name}.dequantized"][r]), (name, r)
+        check_rows_decode_by_the_reference(t, expected[f"{name}.dequantized"], name)
     special = quantized["e3m2_special_f16"]
     assert special.scale[1, 0].item() == 2.0 ** -24 and special.codes()[2, :2].tolist() == [32, 32]  # -0, -0
+
+
+# ---------------------------------------------------------------------- fused experts [E, N, K]
+# (tests/tensors/test_experts.py runs the MoE ops, save/load and placement on FPx experts too.)
+@pytest.mark.parametrize("fmt", FORMATS, ids=ids)
+def test_experts_are_each_quantized_as_a_2d_weight(fmt):
+    e, m = fmt
+    w = torch.randn(3, 5, 13, dtype=torch.bfloat16) * torch.tensor([0.1, 1.0, 30.0])[:, None, None].bfloat16()
+    t = FPxTensor.from_float(w, e, m)
+    b = 1 + e + m
+    assert t.shape == (3, 5, 13) and t.block_size == (1, 1, 13)
+    assert t.qdata.shape == (3, 5, -(-13 * b // 8)) and t.scale.shape == (3, 5, 1)  # K = 13: a partial last byte
+    assert t.codes().shape == (3, 5, 13)
+    for i in range(3):
+        one = FPxTensor.from_float(w[i], e, m)
+        assert torch.equal(t.qdata[i], one.qdata) and torch.equal(t.scale[i], one.scale)
+        assert torch.equal(t[i].dequantize(), one.dequantize()) and t[i].shape == (5, 13)
+    assert torch.equal(t.dequantize(), torch.stack([FPxTensor.from_float(w[i], e, m).dequantize() for i in range(3)]))
+    FPxTensor.check_fields(t.fields())
+
+
+def test_an_expert_runs_the_cpu_kernel():
+    import torch.nn.functional as F
+
+    from hf_aoq import kernels
+
+    t = FPxTensor.from_float(torch.randn(4, 32, 64, dtype=torch.bfloat16))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    want = "cpu_fpx_ext" if kernels.cpu_ext.available() else "reference"
+    assert kernels.select_kernel("linear", x, t[2]).name == want
+    torch.testing.assert_close(F.linear(x, t[2]), F.linear(x, t.dequantize()[2]), rtol=2e-2, atol=2e-2)
+
+
+def test_slices_and_cats_of_experts_keep_the_codes():
+    w = torch.randn(4, 8, 20)
+    t = FPxTensor.from_float(w)
+    d = t.dequantize()
+    for cut, want in [(t[1:3], d[1:3]), (t[:, 2:6], d[:, 2:6]), (t[:, :, 3:17], d[:, :, 3:17])]:
+        FPxTensor.check_fields(cut.fields())
+        assert torch.equal(cut.dequantize(), want)
+    assert torch.equal(torch.cat([t[:, :, :8], t[:, :, 8:]], 2).dequantize(), d)  # 8 codes: 6 whole bytes
+    assert torch.equal(torch.cat([t[:, :3], t[:, 3:]], 1).dequantize(), d)
+    # A cut inside the bytes that codes share cannot be put back by joining bytes (it used to give
+    # wrong codes, silently).
+    with pytest.raises(AOQError, match="does not end on a group of 4"):
+        torch.cat([t[:, :, :1], t[:, :, 1:]], 2)
+    two_d = FPxTensor.from_float(w[0])
+    with pytest.raises(AOQError, match="does not end on a group of 4"):
+        torch.cat([two_d[:, :1], two_d[:, 1:4]], 1)  # 6 + 18 bits: 1 + 3 bytes, as many as 24 bits take
+
+
+def test_bad_expert_weights_are_refused_by_name(tmp_path):
+    from hf_aoq import serialization
+
+    with pytest.raises(AOQError, match=r"w: cannot quantize an empty weight of shape \(0, 4, 8\)"):
+        FPxTensor.from_float(torch.zeros(0, 4, 8), name="w")
+    bad = torch.randn(3, 4, 8)
+    bad[1, 2, 3] = float("inf")
+    with pytest.raises(AOQError, match=r"w \(expert 1\)"):
+        FPxTensor.from_float(bad, name="w")
+    with pytest.raises(AOQError, match=r"w: FPxTensor: \(ebits, mbits\) must be one of"):
+        FPxTensor.from_float(torch.randn(3, 4, 8), 4, 4, name="w")
+    t = FPxTensor.from_float(torch.randn(3, 4, 8))
+    for change, match in [
+        (dict(scale=t.scale[..., 0]), r"field 'scale': shape \(3, 4\), expected \(3, 4, 1\)"),  # [E, N, 1]
+        (dict(scale=t.scale[0]), "field 'scale'"),
+        (dict(qdata=t.qdata[:, :, :5]), r"field 'qdata': shape \(3, 4, 5\), expected \(3, 4, 6\)"),
+        (dict(block_size=(3, 1, 8)), r"attribute 'block_size': \(3, 1, 8\), expected \(1, K\).*after a leading 1"),
+    ]:
+        path = str(tmp_path / "bad.safetensors")
+        with pytest.MonkeyPatch.context() as mp:  # write what the save-side check would refuse
+            mp.setattr(FPxTensor, "check_fields", classmethod(lambda cls, fields: None))
+            serialization.save_file({"experts.w": t.replace(**change)}, path)
+        with pytest.raises(FormatError, match=rf"tensor 'experts.w', {match}"):
+            serialization.load_file(path)
+
+
+def test_the_v1_fpx3d_fixture_holds_experts_that_decode_as_the_format_says():
+    """tests/fixtures/v1_fpx3d.safetensors (manifest.fpx3d.json): fused experts [E, N, K], their
+    fields [E, N, bytes] and [E, N, 1], decoded by the reference; one expert runs as a linear."""
+    from pathlib import Path
+
+    import safetensors.torch
+    import torch.nn.functional as F
+
+    from hf_aoq import serialization
+
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    loaded = serialization.load_file(str(fixtures / "v1_fpx3d.safetensors"))
+    expected = safetensors.torch.load_file(fixtures / "v1_fpx3d.expected.safetensors")
+    quantized = {n: t for n, t in loaded.items() if isinstance(t, FPxTensor)}
+    assert sorted((t.ebits, t.mbits) for t in quantized.values()) == [(2, 1), (2, 2), (3, 2)]
+    for name, t in quantized.items():
+        e, n, k = t.shape
+        assert t.qdata.shape == (e, n, -(-k * (1 + t.ebits + t.mbits) // 8)) and t.scale.shape == (e, n, 1), name
+        check_rows_decode_by_the_reference(t, expected[f"{name}.dequantized"], name)
+        x = expected[f"{name}.input"]
+        torch.testing.assert_close(F.linear(x, t[e - 1]).double(), expected[f"{name}.linear"][e - 1],
+                                   rtol=2 ** -6, atol=2 ** -6 * float(expected[f"{name}.linear"].abs().max()))
+
+
+def test_cli_quantizes_a_tiny_mixtral_with_scheme_fp6_and_inspect_names_its_experts(tmp_path, capsys):
+    import re
+
+    from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from hf_aoq import cli
+
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128, num_local_experts=4,
+                                     num_experts_per_tok=2)).save_pretrained(tmp_path / "float")
+    out = tmp_path / "fp6"
+    assert cli.main(["quantize", str(tmp_path / "float"), "--scheme", "fp6", "--out", str(out)]) == 0
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    # Fused experts stay one 3-D tensor on disk (Mixtral saves mlp. as block_sparse_moe.).
+    assert re.search(r"^model.layers.0.block_sparse_moe.experts.gate_up_proj\s+fp6 e3m2 per-row\s+4x192x64\s", text,
+                     re.M), text
+    assert re.search(r"^model.layers.0.block_sparse_moe.experts.down_proj\s+fp6 e3m2 per-row\s+4x64x96\s", text, re.M)
+    assert text.rstrip().endswith("every tensor loads: yes")
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    t = model.get_parameter("model.layers.0.mlp.experts.down_proj")
+    assert isinstance(t, FPxTensor) and t.shape == (4, 64, 96) and t.scale.shape == (4, 64, 1)
