@@ -21,9 +21,15 @@ modeling_gpt_oss.py):
     stored [E, K, N] (gpt-oss) run expert by expert.
 Expert by expert means one `kernels.linear` per expert that got tokens (an expert with none is
 skipped), so the kernel table picks the CPU kernels for packed experts and the reference
-(dequantize, then the float op) elsewhere; any other op sees the dequantized weight.
+(dequantize, then the float op) elsewhere; any other op sees the dequantized weight. Under
+torch.compile, grouped_mm's group ends are data, so its expert loop runs inside one opaque op
+(`_grouped_mm_op`): the same kernels on the same rows as eager mode. bmm and the 3-D grouped_mm
+loop over a static count of batch elements, each on its own rows, and trace as they are.
 """
 from __future__ import annotations
+
+import json
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .. import kernels
 from ..core.errors import AOQError
+from ..core.registry import enum_value, tensor_type
 from ..core.tensor import AOQTensor
 from .common import MATMUL_FUNCTIONS, BlockGridTensor, _dequantized_call
 
@@ -241,35 +248,112 @@ def grouped_mm(x: torch.Tensor, w, offs: torch.Tensor | None, bias=None, out_dty
             raise AOQError(f"grouped_mm: offs must be a 1-D tensor of {ws.shape[0]} group ends, got "
                            f"{None if offs is None else tuple(offs.shape)}")
         if torch.compiler.is_compiling():
-            out = _grouped_mm_traced(x, ws, transposed, offs, bias)
+            # The group ends are data in a graph: the expert loop runs inside one opaque op.
+            fields = ws.tensor_fields()
+            description = _description(type(ws).__name__, tuple(fields), tuple(ws.attributes().items()))
+            out = _grouped_mm_op(x, offs, list(fields.values()), description, transposed, bias)
             return out if out_dtype is None else out.to(out_dtype)
-        out = x.new_zeros(x.shape[0], n)
-        start = 0
-        for e, end in enumerate(offs.tolist()):
-            if end > start:  # an expert that got no tokens costs nothing
-                rows = _times(x[start:end], expert(ws, e), transposed)
-                out[start:end] = rows if bias is None else rows + bias[e]
-            start = max(start, end)
+        out = _grouped_mm_rows(x, ws, transposed, offs, bias)
     if x.ndim == 3 and bias is not None:
         out = out + bias.unsqueeze(1)
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def _grouped_mm_traced(x: torch.Tensor, ws: AOQTensor, transposed: bool, offs: torch.Tensor, bias) -> torch.Tensor:
-    """grouped_mm's 2-D case as torch.compile can trace it: the group ends are data, so instead
-    of slicing each expert's rows (which needs them on the host) every expert runs on every row
-    and keeps the rows of its group. E times the work of the eager path; the same answer."""
-    rows = torch.arange(x.shape[0], device=x.device)
-    ends = offs.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+def _grouped_mm_rows(x: torch.Tensor, ws: AOQTensor, transposed: bool, offs: torch.Tensor, bias) -> torch.Tensor:
+    """grouped_mm's 2-D case: each expert on the rows of its group, the empty ones skipped."""
     out = x.new_zeros(x.shape[0], ws.shape[1] if transposed else ws.shape[2])
-    for e in range(ws.shape[0]):
-        y = _times(x, expert(ws, e), transposed)
-        if bias is not None:
-            y = y + bias[e]
-        mine = (rows >= starts[e]) & (rows < ends[e])
-        out = torch.where(mine[:, None], y.to(out.dtype), out)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:  # an expert that got no tokens costs nothing
+            rows = _times(x[start:end], expert(ws, e), transposed)
+            out[start:end] = rows if bias is None else rows + bias[e]
+        start = max(start, end)
     return out
+
+
+# ---------------------------------------------------------------------- grouped_mm in a graph
+# torch.compile cannot slice by the group ends (data) without a graph break, so a compiled
+# grouped_mm calls one custom op that receives the weight as its inner tensors and a
+# description of its type and attributes, rebuilds it and runs `_grouped_mm_rows` (the eager
+# loop, same kernels, same rows). The description is JSON in the checkpoint metadata's tagged
+# attribute encoding (serialization/metadata.py), the type named through the allow-list of
+# tensor types; `packing` (which checkpoints never hold) names a registered packing of that type.
+@torch._dynamo.assume_constant_result
+def _description(type_name: str, names: tuple[str, ...], attributes: tuple[tuple[str, object], ...]) -> str:
+    """The op's description of a tensor of type `type_name` with tensor fields `names` (made
+    while tracing, once per layout: constants in, a constant out)."""
+    from ..serialization.metadata import encode_value
+
+    encoded = {}
+    for a, v in attributes:
+        if v is None:
+            continue
+        encoded[a] = ["enum", _packing(type_name, v)] if a == "packing" else encode_value(
+            tuple(v) if isinstance(v, torch.Size) else v, f"{type_name}.{a}")
+    return json.dumps({"type": type_name, "fields": list(names), "attributes": encoded}, sort_keys=True)
+
+
+def _packing(type_name: str, name) -> str:
+    """`name` if it is a packing registered for `type_name` (or a base type of it)."""
+    cls = tensor_type(type_name)
+    try:
+        packing = kernels.get_packing(name)
+    except ValueError as e:
+        raise AOQError(f"{type_name}.packing: {e}") from None
+    if packing.type_name not in {c.__name__ for c in cls.__mro__}:
+        raise AOQError(f"{type_name}.packing: {name!r} is a packing of {packing.type_name}")
+    return name
+
+
+_DECODED: dict[str, tuple[type, tuple[str, ...], dict]] = {}  # description -> (type, field names, attributes)
+
+
+def _decoded(description: str) -> tuple[type, tuple[str, ...], dict]:
+    """A description's (type, tensor field names, attribute values), decoded and checked once."""
+    known = _DECODED.get(description)
+    if known is not None:
+        return known
+    from ..serialization.common import load_json_object
+    from ..serialization.metadata import decode_value
+
+    what = "grouped_mm experts description"
+    doc = load_json_object(description, "<grouped_mm>", what)
+    if doc.keys() != {"type", "fields", "attributes"} or type(doc["fields"]) is not list \
+            or type(doc["attributes"]) is not dict:
+        raise AOQError(f"{what}: expected 'type', 'fields' (a list) and 'attributes' (an object), got {sorted(doc)}")
+    cls = tensor_type(doc["type"])
+    type_name = cls.__name__
+    attributes = {a: decode_value(v) for a, v in doc["attributes"].items()}
+    for a, v in attributes.items():
+        if type(v) is str:
+            attributes[a] = _packing(type_name, v) if a == "packing" else enum_value(f"{type_name}.{a}", v)
+    names = tuple(doc["fields"])
+    tensors = set(cls.tensor_data_names) | set(cls.optional_tensor_data_names)
+    unknown = set(names) - tensors | attributes.keys() - set(cls.attribute_names())
+    if unknown:
+        raise AOQError(f"{what}: {type_name} has no tensor field or attribute {sorted(unknown)[0]!r}")
+    missing = set(cls.tensor_data_names) - set(names) | set(cls.tensor_attribute_names) - attributes.keys()
+    if missing or len(set(names)) != len(names):
+        raise AOQError(f"{what}: {type_name} needs each of its tensor fields {sorted(tensors)} once and its "
+                       f"attributes {sorted(cls.tensor_attribute_names)}; got fields {list(names)}, "
+                       f"attributes {sorted(attributes)}")
+    known = _DECODED[description] = (cls, names, attributes)
+    return known
+
+
+def _grouped_mm_out(x, offs, tensors, description, transposed, bias):
+    shape = _decoded(description)[2]["shape"]
+    return x.new_empty(x.shape[0], shape[1] if transposed else shape[2])
+
+
+@kernels.opaque_op("grouped_mm_experts", _grouped_mm_out)
+def _grouped_mm_op(x: torch.Tensor, offs: torch.Tensor, tensors: list[torch.Tensor], description: str,
+                   transposed: bool, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    cls, names, attributes = _decoded(description)
+    if len(tensors) != len(names):
+        raise AOQError(f"grouped_mm_experts: {len(tensors)} tensors for the fields {list(names)}")
+    ws = cls(**attributes, **dict(zip(names, tensors)))
+    return _grouped_mm_rows(x, ws, transposed, offs, bias)
 
 
 def _grouped_mm_fn(func, types, args, kwargs):

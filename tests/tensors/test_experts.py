@@ -146,8 +146,9 @@ def test_grouped_mm_runs_expert_by_expert_and_skips_empty_groups(scheme):
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "mxfp4", "fp6"])
 def test_grouped_mm_as_torch_compile_traces_it_gives_the_eager_answer(kind, monkeypatch):
-    # Under torch.compile the group ends are data: every expert runs on every row and keeps its
-    # group's rows (experts._grouped_mm_traced). Same rows, same zeros past the end, bias too.
+    # Under torch.compile the group ends are data: grouped_mm calls one opaque op
+    # (experts._grouped_mm_op), which rebuilds the weight from its inner tensors and runs the
+    # eager loop. Same kernels on the same rows: bit for bit, zeros past the end, bias too.
     t = SCHEMES[kind](weight()).place()
     x = torch.randn(9, K, dtype=torch.bfloat16)
     offs = torch.tensor([3, 3, 7, 8], dtype=torch.int32)
@@ -158,10 +159,75 @@ def test_grouped_mm_as_torch_compile_traces_it_gives_the_eager_answer(kind, monk
     eager_kn = F.grouped_mm(x, stored_k_by_n, offs=offs)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     traced = torch._grouped_mm(x, wt, offs=offs, bias=bias)
-    close(traced, eager)
+    assert torch.equal(traced, eager)
     assert torch.equal(traced[8], torch.zeros(N, dtype=torch.bfloat16))
-    close(F.grouped_mm(x, stored_k_by_n, offs=offs), eager_kn)
+    assert torch.equal(F.grouped_mm(x, stored_k_by_n, offs=offs), eager_kn)
     assert F.grouped_mm(x[:0], wt, offs=torch.zeros(E, dtype=torch.int32)).shape == (0, N)
+    assert torch._grouped_mm(x, wt, offs=offs, out_dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+def test_compiled_grouped_mm_runs_each_expert_on_its_own_rows_only(kind, monkeypatch):
+    # A real fullgraph compile: each expert's kernel runs once, on its group's rows, and not for
+    # an empty group (before, every expert ran on all 9 rows); the answer is eager's, bit for bit.
+    from hf_aoq import kernels
+
+    t = SCHEMES[kind](weight()).place()
+    wt = t.transpose(-2, -1)
+    bias = torch.randn(E, N, dtype=torch.bfloat16)
+    x = torch.randn(9, K, dtype=torch.bfloat16)
+    offs = torch.tensor([3, 3, 7, 8], dtype=torch.int32)
+    rows = []
+    linear = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda x, w, b=None: rows.append(x.shape[0]) or linear(x, w, b))
+    eager = torch._grouped_mm(x, wt, offs=offs, bias=bias)
+    assert rows == [3, 4, 1]
+    rows.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, offs: torch._grouped_mm(x, wt, offs=offs, bias=bias),
+                             fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, offs), eager)
+    assert rows == [3, 4, 1]
+    rows.clear()
+    other = torch.tensor([0, 9, 9, 9], dtype=torch.int32)  # other group ends: one expert gets every row
+    out = compiled(x, other)
+    assert rows == [9]
+    assert torch.equal(out, torch._grouped_mm(x, wt, offs=other, bias=bias))
+
+
+def test_the_compiled_op_describes_each_layout_and_decodes_it_once(scheme):
+    from hf_aoq.tensors import experts
+
+    _, make = scheme
+    t = make(weight()).place()
+    fields = t.tensor_fields()
+    description = experts._description(type(t).__name__, tuple(fields), tuple(t.attributes().items()))
+    cls, names, attributes = experts._decoded(description)
+    assert experts._decoded(description)[2] is attributes  # cached: decoded once per description
+    back = cls(**attributes, **dict(zip(names, fields.values())))
+    assert type(back) is type(t) and back.fields().keys() == t.fields().keys()
+    assert back.attributes() == t.attributes()
+    assert torch.equal(back.dequantize(), t.dequantize())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.replace('"Int4Tensor"', '"Tensor"'), "unknown tensor type 'Tensor'"),
+    (lambda d: d.replace('"cpu_int4_pairs"', '"cpu_int8_aligned"'), "'cpu_int8_aligned' is a packing of Int8Tensor"),
+    (lambda d: d.replace('"cpu_int4_pairs"', '"nope"'), "unknown packing 'nope'"),
+    (lambda d: d.replace('"block_size"', '"blocks"'), "Int4Tensor has no tensor field or attribute 'blocks'"),
+    (lambda d: d.replace('"scale", ', ''), "Int4Tensor needs each of its tensor fields"),
+    (lambda d: d.replace('"ints"', '"pickle"'), "unknown value tag 'pickle'"),
+    (lambda d: d[:-1], "grouped_mm experts description"),
+])
+def test_a_bad_description_is_refused(change, message):
+    from hf_aoq.tensors import experts
+
+    t = SCHEMES["int4"](weight()).place()
+    if t.packing != "cpu_int4_pairs":
+        pytest.skip("the C++ int4 packing is not available here")
+    description = experts._description("Int4Tensor", tuple(t.tensor_fields()), tuple(t.attributes().items()))
+    with pytest.raises((AOQError, FormatError), match=message):
+        experts._decoded(change(description))
 
 
 def test_bmm_on_gathered_experts(scheme):
