@@ -25,9 +25,12 @@ from .common import FLOATS
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .registry import opaque_op, register_kernel
 
-# The same crossover as MXFP4's GEMV (cpu_mx.MXFP4_GEMV_MAX_ROWS): the same loop (mx_common.h
-# fp4_tile), a scale per 16 instead of 32.
-NVFP4_GEMV_MAX_ROWS = 64
+# GEMV against dequantize + aten's AMX GEMM (2048x5632, bf16, 1 thread, interleaved rounds,
+# scripts/bench_kernels.py on the shared 2-vCPU AVX-512/AMX Xeon at load 9-13, medians): 2.7 / 20 /
+# 38 / 48 ms at 8 / 16 / 32 / 64 rows against 12 / 40 / 40 / 27 (dense bf16 5 / 18 / 10 / 12 in the
+# same rounds; noisy, but the order is clear at 16 and 64). The GEMV decodes each weight row once
+# per two activation rows, so it grows with the rows; the dequantization's cost does not.
+NVFP4_GEMV_MAX_ROWS = 32
 # Batch 1 against int4 g32 (Int4WeightOnlyConfig(32), hf_aoq's int4 kernel) and MXFP4's GEMV,
 # 2048x5632 bf16, 1 thread, 100 interleaved rounds (scripts/bench_kernels.py) on the shared
 # AVX-512 machine (load about 5 on 2 vCPUs): NVFP4 GEMV best 0.69 ms, median 0.97; int4 g32 best

@@ -53,12 +53,61 @@ inline uint8_t nvfp4_quantize_block(const float* v, int64_t n, float p, float* e
   return code;
 }
 
+#if defined(__AVX512F__)
+// A whole block of finite values as nvfp4_quantize_block, and each value decoded: out[i] =
+// e2m1(q_i) * d in float32. The rounding is mx_round_elem's, lane by lane. Returns false (and
+// writes nothing) for a block holding inf or NaN, which the scalar code takes.
+inline bool nvfp4_fake_block16(const float* v, float p, float* out) {
+  const __m512 x = _mm512_loadu_ps(v), a = _mm512_abs_ps(x);
+  if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) != 0xFFFF) return false;
+  const float amax = _mm512_reduce_max_ps(a);
+  const float s = std::min(std::max(amax / 6.f / p, 0x1p-6f), 448.f);
+  const __m512 d = _mm512_set1_ps(p * fp8_value(c10::Float8_e4m3fn(s).x, 20));
+  const __m512 q = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, d), _mm512_set1_ps(-6.f)), _mm512_set1_ps(6.f));
+  const __m512i bits = _mm512_castps_si512(q);
+  // magic = 1.5 * 2^(exp - 1 + 23), exp = max(unbiased exponent of q, 0): its ulp is e2m1's spacing.
+  const __m512i exp = _mm512_max_epi32(
+      _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(0xFF)), _mm512_set1_epi32(127)),
+      _mm512_setzero_si512());
+  const __m512 magic = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(exp, _mm512_set1_epi32(149)), 23), _mm512_set1_epi32(0x400000)));
+  const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+  const __m512 r = _mm512_min_ps(_mm512_sub_ps(_mm512_add_ps(mag, magic), magic), _mm512_set1_ps(6.f));
+  const __m512 signed_r = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(r), _mm512_and_si512(bits, _mm512_set1_epi32(int(0x80000000u)))));
+  _mm512_storeu_ps(out, _mm512_mul_ps(signed_r, d));
+  return true;
+}
+#endif
+
+// One activation row quantized and decoded in float32 (before the rounding to its dtype).
+void nvfp4_fake_row(const float* x, int64_t K, float p, float* out) {
+  float elem[NV_BLOCK];
+  for (int64_t k0 = 0; k0 < K; k0 += NV_BLOCK) {
+    const int64_t n = std::min(NV_BLOCK, K - k0);
+#if defined(__AVX512F__)
+    if (n == NV_BLOCK && nvfp4_fake_block16(x + k0, p, out + k0)) continue;
+#endif
+    const float d = p * e4m3_value(nvfp4_quantize_block(x + k0, n, p, elem));
+    for (int64_t i = 0; i < n; ++i) out[k0 + i] = elem[i] * d;
+  }
+}
+
 // The activations' per-tensor scale: max(amax / 2688, 2^-126), amax over the finite |x|.
 float act_per_tensor_scale(const float* x, int64_t n) {
   const float amax = at::parallel_reduce(
       0, n, int64_t(1) << 16, 0.f,
       [&](int64_t i0, int64_t i1, float m) {
-        for (int64_t i = i0; i < i1; ++i) {
+        int64_t i = i0;
+#if defined(__AVX512F__)
+        __m512 mv = _mm512_setzero_ps();
+        for (; i + 16 <= i1; i += 16) {
+          const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+          mv = _mm512_mask_max_ps(mv, _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_LT_OQ), mv, a);
+        }
+        m = std::max(m, _mm512_reduce_max_ps(mv));
+#endif
+        for (; i < i1; ++i) {
           const float a = std::fabs(x[i]);
           if (std::isfinite(a)) m = std::max(m, a);
         }
@@ -159,13 +208,11 @@ torch::Tensor nvfp4_fake_quantize(torch::Tensor x) {
     T* op = reinterpret_cast<T*>(out.data_ptr());
     at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
       MxDenormalsKept keep;
-      float elem[NV_BLOCK];
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t k0 = 0; k0 < K; k0 += NV_BLOCK) {
-          const int64_t n = std::min(NV_BLOCK, K - k0);
-          const float d = p * e4m3_value(nvfp4_quantize_block(xp + m * K + k0, n, p, elem));
-          for (int64_t i = 0; i < n; ++i) op[m * K + k0 + i] = static_cast<T>(elem[i] * d);
-        }
+      std::vector<float> row(K);
+      for (int64_t m = m0; m < m1; ++m) {
+        nvfp4_fake_row(xp + m * K, K, p, row.data());
+        narrow_floats(row.data(), op + m * K, K);  // one rounding to T, nearest even
+      }
     });
   });
   return out.view(x.sizes());
