@@ -1,10 +1,13 @@
-"""hf_aoq's NVFP4 CPU GEMV (csrc/nvfp4.cpp, kernels/cpu_nvfp4.py) against the reference kernel.
+"""hf_aoq's NVFP4 CPU kernels (csrc/nvfp4.cpp, csrc/nvfp4_quant.cpp, kernels/cpu_nvfp4.py) against
+the reference kernel.
 
 The GEMV computes in float32 on the exactly decoded weight, the reference dequantizes to the
 activation dtype and calls aten's GEMM, so the sums differ in order and in rounding: outputs are
 compared within TOL[dtype] of sum(|x| |w|) per output (a few roundings of the result's dtype).
 The decoded weights themselves are compared exactly, through one-hot activations, for every
-e2m1 code and every e4m3 scale byte."""
+e2m1 code and every e4m3 scale byte. The C++ dequantization and activation quantization are
+compared bit for bit with tensors/nvfp4.py's, and the many-rows path (the reference's own
+F.linear on them) gives the reference's outputs bit for bit."""
 import math
 import os
 import subprocess
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from hf_aoq.kernels import cpu_ext, cpu_nvfp4, select_kernel
 from hf_aoq.kernels.reference import reference_linear
 from hf_aoq.tensors import nvfp4
+from hf_aoq.tensors.mx import _E2M1_MIDPOINTS
 from hf_aoq.tensors.nvfp4 import NVFP4Tensor, nvfp4_dequantize
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -354,7 +358,7 @@ def test_the_ties_and_edges_are_really_there():
 def test_a_wrong_reference_rule_fails_the_comparison(mutant, monkeypatch):
     # Each rule of the reference changed in turn: the same sweep must see the C++ differ, so the
     # sweep exercises that rule (and would catch the C++ getting it wrong).
-    mids = torch.tensor(nvfp4.encode_e2m1.__globals__["_E2M1_MIDPOINTS"])
+    mids = torch.tensor(_E2M1_MIDPOINTS)
     real_encode, real_pts = nvfp4.encode_e2m1, nvfp4.per_tensor_scale_of
     if mutant == "ties_away":  # a tie takes the larger magnitude
         monkeypatch.setattr(nvfp4, "encode_e2m1", lambda q: torch.where(

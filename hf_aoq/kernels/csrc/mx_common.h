@@ -1,6 +1,7 @@
 // What the MX (OCP Microscaling) CPU kernels share (mx.cpp: the GEMV; mx_quant.cpp: activation
 // quantization and weight dequantization): the element kinds, e8m0 scales, and the per-block
-// quantization rule of tensors/mx.py (mx_quantize) in scalar C++.
+// quantization rule of tensors/mx.py (mx_quantize) in scalar C++. The NVFP4 kernels (nvfp4.cpp,
+// nvfp4_quant.cpp) take its e2m1 and e4m3 pieces: rounding, decoding, lanes and GEMV tiles.
 //
 // Elements: kind 0 e2m1 (two codes per byte, the even element in the low nibble), 1 e4m3fn,
 // 2 e5m2 (one byte each). Scales: one e8m0 code per 32 elements along K, 2^(code - 127), 255 NaN,
