@@ -103,10 +103,16 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     from hf_aoq.tensors.nvfp4 import NVFP4Tensor
 
     nv4 = NVFP4Tensor.from_float(w.to(dtype))
+    nv4d = NVFP4Tensor.from_float(w.to(dtype), "nvfp4")
     if ext is not None:
         out.append(("hf_aoq nvfp4 gemv", lambda: cpu_nvfp4.nvfp4_linear_io(x, nv4.qdata, nv4.scale, nv4.per_tensor_scale,
                                                                           k, None)))
+        out.append(("hf_aoq nvfp4 dyn-act gemv", lambda: cpu_nvfp4.nvfp4_linear_io(
+            x, nv4d.qdata, nv4d.scale, nv4d.per_tensor_scale, k, None, True)))
+        out.append(("hf_aoq nvfp4 dequant + GEMM", lambda: cpu_nvfp4.nvfp4_cpu_dequant_linear(x, nv4, None)))
+        out.append(("hf_aoq nvfp4 dyn-act dequant + GEMM", lambda: cpu_nvfp4.nvfp4_cpu_dequant_linear(x, nv4d, None)))
     out.append(("hf_aoq nvfp4 reference", lambda: reference.reference_linear(x, nv4, None)))
+    out.append(("hf_aoq nvfp4 dyn-act reference", lambda: reference.reference_linear(x, nv4d, None)))
     q4g32 = Int4Tensor.from_float(w.to(dtype), 32).place()
     out.append(("hf_aoq int4 g32 F.linear", lambda: F.linear(x, q4g32)))
     if ext is not None and hasattr(ext, "intx_linear_io"):  # IntxTensor's fields: any bytes are valid codes

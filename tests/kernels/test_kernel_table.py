@@ -100,6 +100,7 @@ TABLE = [
     ("linear", "MXTensor", "canonical", "triton_mx_dequantize_mm"),
     ("linear", "MXTensor", "canonical", "reference"),
     ("linear", "NVFP4Tensor", "canonical", "cpu_nvfp4_gemv"),
+    ("linear", "NVFP4Tensor", "canonical", "cpu_nvfp4_dequant_gemm"),
     ("linear", "NVFP4Tensor", "canonical", "triton_nvfp4_gemv"),
     ("linear", "NVFP4Tensor", "canonical", "triton_nvfp4_dequantize_mm"),
     ("linear", "NVFP4Tensor", "canonical", "reference"),

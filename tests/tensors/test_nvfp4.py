@@ -236,7 +236,9 @@ def test_activations_are_quantized_in_the_same_blocks_with_their_own_per_tensor_
     codes, scales, pts = ref_quantize(x)
     want = ref_values(codes, scales, pts)
     assert torch.equal(t.simulate_input_quantization(x), want)
-    assert torch.equal(F.linear(x, t), F.linear(want, t.dequantize()))
+    # The CPU GEMV (C++ activation quantization, the same values bit for bit) sums in its own
+    # order: equal to the float product within float32 summation order.
+    torch.testing.assert_close(F.linear(x, t), F.linear(want, t.dequantize()), rtol=1e-5, atol=1e-5)
 
 
 def test_activation_blocks_with_inf_or_nan_decode_to_nan_and_leave_the_scale_alone():

@@ -47,9 +47,15 @@ std::vector<torch::Tensor> mx_quantize_rows(torch::Tensor x, int64_t kind);
 torch::Tensor mx_fake_quantize(torch::Tensor x, int64_t kind);
 torch::Tensor mx_dequantize(torch::Tensor qdata, torch::Tensor scale, int64_t kind, int64_t k, torch::ScalarType dtype);
 
-// nvfp4.cpp: NVFP4Tensor, weight-only, F.linear in one call.
+// nvfp4.cpp: NVFP4Tensor, weight-only or with NVFP4 activations, F.linear in one call.
+// nvfp4_quant.cpp: NVFP4 quantization and dequantization as tensors/nvfp4.py's, bit for bit.
 torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale,
-                              torch::Tensor per_tensor_scale, int64_t k, c10::optional<torch::Tensor> bias);
+                              torch::Tensor per_tensor_scale, int64_t k, c10::optional<torch::Tensor> bias,
+                              bool act_quant);
+std::vector<torch::Tensor> nvfp4_quantize_rows(torch::Tensor x, torch::Tensor per_tensor_scale);
+torch::Tensor nvfp4_fake_quantize(torch::Tensor x);
+torch::Tensor nvfp4_dequantize(torch::Tensor qdata, torch::Tensor scale, torch::Tensor per_tensor_scale, int64_t k,
+                               torch::ScalarType dtype);
 // fp8_sparse.cpp: Float8SemiSparseTensor (2:4 sparse e4m3), F.linear in one call at few rows.
 torch::Tensor fp8_sparse_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor positions, torch::Tensor scale,
                                    int64_t k, c10::optional<torch::Tensor> bias);

@@ -1,6 +1,7 @@
 // What the MX (OCP Microscaling) CPU kernels share (mx.cpp: the GEMV; mx_quant.cpp: activation
 // quantization and weight dequantization): the element kinds, e8m0 scales, and the per-block
-// quantization rule of tensors/mx.py (mx_quantize) in scalar C++.
+// quantization rule of tensors/mx.py (mx_quantize) in scalar C++. The NVFP4 kernels (nvfp4.cpp,
+// nvfp4_quant.cpp) take its e2m1 and e4m3 pieces: rounding, decoding, lanes and GEMV tiles.
 //
 // Elements: kind 0 e2m1 (two codes per byte, the even element in the low nibble), 1 e4m3fn,
 // 2 e5m2 (one byte each). Scales: one e8m0 code per 32 elements along K, 2^(code - 127), 255 NaN,
@@ -65,6 +66,17 @@ inline float e8m0_value(uint8_t c) {
 }
 
 const float E2M1_VALUE[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// f(T()) for the float dtype t: float, c10::BFloat16 or c10::Half.
+template <class F>
+void float_dtype(torch::ScalarType t, F f) {
+  switch (t) {
+    case torch::kFloat32: f(float()); break;
+    case torch::kBFloat16: f(c10::BFloat16()); break;
+    case torch::kFloat16: f(c10::Half()); break;
+    default: TORCH_CHECK(false, "expected float32, bfloat16 or float16, got ", t);
+  }
+}
 
 // Clears FTZ and DAZ for a scope: subnormal inputs, scales (2^-127) and products stay exact.
 struct MxDenormalsKept {
@@ -217,6 +229,22 @@ inline vfloat fp8_decode16(const uint8_t* p, int shift, __m256 factor, __m256 s)
           _mm256_mul_ps(_mm256_mul_ps(fp8_lanes8(p + 8, shift), factor), s)};
 }
 #endif
+// 32 e2m1 weights in element order from fp4_decode's lanes (w0 the even elements, w1 the odd).
+inline void store_interleaved(float* o, const vfloat& e, const vfloat& d) {
+#if defined(__AVX512F__)
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  _mm512_storeu_ps(o, _mm512_permutex2var_ps(e, lo, d));
+  _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(e, hi, d));
+#else
+  const __m256 halves[2][2] = {{e.lo, d.lo}, {e.hi, d.hi}};
+  for (int h = 0; h < 2; ++h) {
+    const __m256 a = _mm256_unpacklo_ps(halves[h][0], halves[h][1]), b = _mm256_unpackhi_ps(halves[h][0], halves[h][1]);
+    _mm256_storeu_ps(o + 16 * h, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(o + 16 * h + 8, _mm256_permute2f128_ps(a, b, 0x31));
+  }
+#endif
+}
 #endif
 
 // The same values one at a time (tails and the generic build).

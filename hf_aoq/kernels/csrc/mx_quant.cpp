@@ -16,35 +16,6 @@
 
 namespace {
 
-template <class F>
-void float_dtype(torch::ScalarType t, F f) {
-  switch (t) {
-    case torch::kFloat32: f(float()); break;
-    case torch::kBFloat16: f(c10::BFloat16()); break;
-    case torch::kFloat16: f(c10::Half()); break;
-    default: TORCH_CHECK(false, "expected float32, bfloat16 or float16, got ", t);
-  }
-}
-
-#if defined(__AVX2__)
-// The 32 weights of a block in element order from mx_common.h's lanes (e2m1: w0 even, w1 odd).
-inline void store_interleaved(float* o, const vfloat& e, const vfloat& d) {
-#if defined(__AVX512F__)
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  _mm512_storeu_ps(o, _mm512_permutex2var_ps(e, lo, d));
-  _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(e, hi, d));
-#else
-  const __m256 halves[2][2] = {{e.lo, d.lo}, {e.hi, d.hi}};
-  for (int h = 0; h < 2; ++h) {
-    const __m256 a = _mm256_unpacklo_ps(halves[h][0], halves[h][1]), b = _mm256_unpackhi_ps(halves[h][0], halves[h][1]);
-    _mm256_storeu_ps(o + 16 * h, _mm256_permute2f128_ps(a, b, 0x20));
-    _mm256_storeu_ps(o + 16 * h + 8, _mm256_permute2f128_ps(a, b, 0x31));
-  }
-#endif
-}
-#endif
-
 // Weight row `row` (its bytes, its B scale codes) as float32 values, B * 32 of them (the last
 // block's padding decodes to zeros times its scale): element value times scale, one rounding.
 void dequant_row(const uint8_t* row, const uint8_t* sc, int64_t kind, int64_t K, int64_t B, float* o) {

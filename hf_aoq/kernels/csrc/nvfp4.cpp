@@ -1,6 +1,8 @@
 // NVFP4 (e2m1 elements two per byte, one float8 e4m3 scale per 16 elements along K, one float32
 // scale per tensor) weight x float activation on CPU for few rows: F.linear(x, w, bias) in
-// float32 on the exact weight, reading the packed bytes directly.
+// float32 on the exact weight, reading the packed bytes directly. Weight-only, or with the
+// activations first quantized to NVFP4 and decoded in x's dtype exactly as the reference's
+// simulate_input_quantization (nvfp4_quant.cpp), so both see the same values.
 //
 // The loop is MXFP4's (mx_common.h fp4_tile): chunks of 128 elements as 16 32-bit lanes, a block
 // of 16 being two lanes (16 floats over the chunk's eight decoded vectors), the e2m1 table decode
@@ -91,11 +93,13 @@ void nvfp4_gemv(const float* xp, int64_t ld, int64_t M, const uint8_t* q, const 
 
 // F.linear(x, NVFP4 weight, bias): x float32 / bfloat16 / float16 [..., k]; qdata uint8 [N, k/2]
 // (two e2m1 codes per byte, the even element low); scale float8_e4m3fn [N, ceil(k/16)];
-// per_tensor_scale float32, one value; bias optional, any float dtype, [N]. Computed in float32
-// (the weight decoded exactly), bias added in float32, returned in x's dtype as [..., N]. Meant
-// for few rows: each weight row is decoded once per kMB activation rows.
+// per_tensor_scale float32, one value; bias optional, any float dtype, [N]; act_quant: x is
+// replaced by nvfp4_fake_quantize(x) first (the `nvfp4` scheme's dynamic activations). Computed
+// in float32 (the weight decoded exactly), bias added in float32, returned in x's dtype as
+// [..., N]. Meant for few rows: each weight row is decoded once per kMB activation rows.
 torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale,
-                              torch::Tensor per_tensor_scale, int64_t k, c10::optional<torch::Tensor> bias) {
+                              torch::Tensor per_tensor_scale, int64_t k, c10::optional<torch::Tensor> bias,
+                              bool act_quant) {
   TORCH_CHECK(k > 0 && k % 2 == 0, "k: a positive even number, got ", k);
   TORCH_CHECK(qdata.dtype() == torch::kUInt8 && qdata.dim() == 2 && qdata.size(1) == k / 2,
               "qdata: uint8 [N, ", k / 2, "], got ", qdata.dtype(), " ", qdata.sizes());
@@ -109,6 +113,7 @@ torch::Tensor nvfp4_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tenso
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
                   x.scalar_type() == torch::kFloat16,
               "x: float32, bfloat16 or float16");
+  if (act_quant) x = nvfp4_fake_quantize(x);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->numel() == N, "bias: expected ", N, " values, got ", bias->numel());
   const float pts = per_tensor_scale.item<float>();
