@@ -53,18 +53,36 @@ _CHUNK_ELEMENTS = 1 << 23  # rows of a layer's output change computed at once: a
 
 
 # ---------------------------------------------------------------------- candidates
+CALIBRATIONS = ("gptq",)  # what a candidate's "+<method>" suffix may name
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """One way to store a weight: `config` (None: leave it in float), under a short `name`."""
+    """One way to store a weight: `config` (None: leave it in float), under a short `name`;
+    `calibration` "gptq": its values chosen by GPTQ (hf_aoq.gptq) on the layer's calibration
+    inputs (the tensor type, and so the recipe, is the config's own)."""
 
     name: str
     config: AOQBaseConfig | None
+    calibration: str | None = None
+
+    def __post_init__(self):
+        if self.calibration is None:
+            return
+        from .gptq import GPTQ_CONFIGS
+
+        if self.calibration not in CALIBRATIONS:
+            raise AOQError(f"candidate {self.name!r}: calibration must be one of {CALIBRATIONS}, got {self.calibration!r}")
+        if type(self.config) not in GPTQ_CONFIGS:
+            raise AOQError(f"candidate {self.name!r}: GPTQ calibrates {', '.join(c.__name__ for c in GPTQ_CONFIGS)} "
+                           f"weights (int4, int4-plain, int2..int6[-asym]), not {type(self.config).__name__}")
 
 
 def parse_candidate(item: "str | AOQBaseConfig | Candidate") -> Candidate:
     """A candidate from a scheme name ("int4", "int8", "int4-plain:g32": a scheme of
-    hf_aoq.configs.SCHEMES, optionally with ":g<group size>"; "bf16": keep float), a config, or
-    a Candidate."""
+    hf_aoq.configs.SCHEMES, optionally with ":g<group size>", optionally with "+gptq": its
+    values chosen by GPTQ, e.g. "int3-asym:g32+gptq"; "bf16": keep float), a config, or a
+    Candidate."""
     if isinstance(item, Candidate):
         return item
     if isinstance(item, AOQBaseConfig):
@@ -74,13 +92,17 @@ def parse_candidate(item: "str | AOQBaseConfig | Candidate") -> Candidate:
     name = item.strip()
     if name in FLOAT_NAMES:
         return Candidate(name, None)
-    scheme, _, group = name.partition(":")
+    spec, plus, calibration = name.partition("+")
+    if plus and calibration not in CALIBRATIONS:
+        raise AOQError(f"candidate {name!r}: after '+' comes a calibration method, one of {CALIBRATIONS} "
+                       f"(e.g. int3-asym:g32+gptq)")
+    scheme, _, group = spec.partition(":")
     group_size = None
     if group:
         if not (group.startswith("g") and group[1:].isdigit()):
             raise AOQError(f"candidate {name!r}: the group size is written :g<N>, e.g. int4-plain:g32")
         group_size = int(group[1:])
-    return Candidate(name, config_for_scheme(scheme, group_size))
+    return Candidate(name, config_for_scheme(scheme, group_size), calibration or None)
 
 
 def parse_candidates(items: "str | Iterable[str | AOQBaseConfig | Candidate]") -> list[Candidate]:
@@ -150,7 +172,8 @@ class SensitivityReport:
             "base_loss": self.base_loss,
             "tokens": self.tokens,
             "seconds": self.seconds,
-            "candidates": [{"name": c.name, "config": None if c.config is None else recipe_to_dict(c.config)}
+            "candidates": [{"name": c.name, "config": None if c.config is None else recipe_to_dict(c.config),
+                            **({"calibration": c.calibration} if c.calibration else {})}
                            for c in self.candidates],
             "layers": [{"name": l.name, "kind": l.kind, "shape": list(l.shape), "tied": list(l.tied),
                         "results": {k: None if m is None else asdict(m) for k, m in l.results.items()}}
@@ -166,7 +189,8 @@ class SensitivityReport:
             if data["version"] != REPORT_VERSION:
                 raise FormatError(f"{where}: version {data['version']!r}; this hf_aoq reads {REPORT_VERSION}")
             candidates = [Candidate(str(c["name"]), None if c["config"] is None
-                                    else recipe_from_dict(c["config"], where=f"{where}.candidates"))
+                                    else recipe_from_dict(c["config"], where=f"{where}.candidates"),
+                                    None if c.get("calibration") is None else str(c["calibration"]))
                           for c in data["candidates"]]
             layers = [LayerSensitivity(str(l["name"]), str(l["kind"]), tuple(int(s) for s in l["shape"]),
                                        tuple(str(t) for t in l["tied"]),
@@ -176,7 +200,9 @@ class SensitivityReport:
                        float(data.get("seconds", 0.0)), str(data.get("estimator", ESTIMATOR)))
         except FormatError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except AOQError as e:  # e.g. a calibration method this hf_aoq does not know
+            raise FormatError(f"{where}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise FormatError(f"{where}: not a sensitivity report written by hf_aoq ({type(e).__name__}: {e})") from None
 
     def save(self, path: str | os.PathLike) -> None:
@@ -290,6 +316,41 @@ def analysis_plan(model: nn.Module, candidates: list[Candidate], *, filter_fn=No
                 embeddings=embeddings if include_embeddings else ())
 
 
+# ---------------------------------------------------------------------- calibrated candidates
+def quantize_candidate(candidate: Candidate, weight: torch.Tensor, *, gram: torch.Tensor | None = None,
+                       name: str = "weight") -> AOQTensor:
+    """The tensor `candidate` makes of `weight`; a GPTQ candidate needs `gram`, the Gram matrix
+    X^T X of its linear's calibration inputs."""
+    if candidate.calibration is None:
+        return candidate.config.quantize_weight(weight, name=name)
+    if gram is None:
+        raise AOQError(f"{name}: candidate {candidate.name!r} is chosen by GPTQ and needs its linear's input Gram matrix")
+    from .gptq import gptq_quantize
+
+    return gptq_quantize(weight, gram, candidate.config, name=name)
+
+
+def input_grams(model: nn.Module, names: Iterable[str], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{weight name: X^T X of the inputs of the one linear that reads it, over `batches`} (a
+    forward pass; weights read by several modules, or by an embedding, are left out)."""
+    from .calibration import _grams
+
+    targets, by_module = {}, {}
+    for name in names:
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        readers = [m for n, m in model.named_modules(remove_duplicate=False)
+                   if getattr(m, "weight", None) is model.get_parameter(name)]
+        if isinstance(module, nn.Linear) and len(readers) == 1:
+            targets[module_name] = (module, None)
+            by_module[module_name] = name
+    if not targets:
+        return {}
+    with torch.no_grad():
+        grams = _grams(targets, list(targets), lambda: [_logits(model, ids) for ids in batches])
+    return {by_module[m]: g for m, g in grams.items()}
+
+
 # ---------------------------------------------------------------------- measuring
 class _Accumulator:
     """Sums over positions for one weight under one candidate."""
@@ -311,6 +372,10 @@ class _Analysis:
         self.sums = {(n, c.name): _Accumulator() for n in decisions for c in self.candidates}
         self.static: dict[tuple[str, str], tuple[int, float] | None] = {}  # (bytes, weight SQNR) or None
         self.readers: dict[str, list[str]] = {n: [x.rpartition(".")[0] for x in (n, *d.tied)] for n, d in decisions.items()}
+        # GPTQ candidates: with several batches, the Gram matrices over all of them (a pre-pass)
+        # and each calibrated tensor, made once; with one, the batch's own inputs.
+        self.grams: dict[str, torch.Tensor] | None = None
+        self.calibrated: dict[tuple[str, str], AOQTensor] = {}
 
     def hooks(self):
         handles = []
@@ -349,7 +414,7 @@ class _Analysis:
             if self.static.get(key, ()) is None:
                 continue
             try:
-                q = c.config.quantize_weight(w, name=name)
+                q = self._quantize(c, name, w, None if embedding else x)
             except AOQError:
                 self.static[key] = None  # e.g. a group size that does not divide this weight
                 continue
@@ -368,6 +433,23 @@ class _Analysis:
                 acc.first += along.sum().item()
                 acc.fisher += along.square().sum().item()
                 acc.diag += (gc.square() * dy.square()).sum().item()
+
+    def _quantize(self, c: Candidate, name: str, w: torch.Tensor, x: torch.Tensor | None) -> AOQTensor:
+        if c.calibration is None:
+            return quantize_candidate(c, w, name=name)
+        key = (name, c.name)
+        if key in self.calibrated:
+            return self.calibrated[key]
+        if self.grams is not None:
+            gram = self.grams.get(name)
+        else:
+            gram = None if x is None or len(self.readers[name]) > 1 else x.t() @ x
+        if gram is None:
+            raise AOQError(f"{name}: GPTQ calibrates weights that one linear reads")  # this candidate does not fit
+        q = quantize_candidate(c, w, gram=gram, name=name)
+        if self.grams is not None:
+            self.calibrated[key] = q
+        return q
 
     def layers(self, tokens: int, all_candidates: list[Candidate]) -> list[LayerSensitivity]:
         out = []
@@ -431,6 +513,8 @@ def sensitivity(
     if not decisions:
         raise AOQError("sensitivity: no weight in scope (no linear or embedding the filter accepts)")
     analysis = _Analysis(model, decisions, candidates)
+    if len(batches) > 1 and any(c.calibration for c in candidates):
+        analysis.grams = input_grams(model, decisions, batches)
     grad_flags = {n: p.requires_grad for n, p in model.named_parameters()}
     was_training = model.training
     model.eval()
@@ -469,6 +553,7 @@ def exact_loss_deltas(model, report: SensitivityReport, names: list[str], batche
     """Fill `exact_delta` for each named weight and candidate: the model's mean loss on `batches`
     with only that weight quantized (dequantized in place, then restored), minus the float loss."""
     base = mean_loss(model, batches)
+    grams = input_grams(model, names, batches) if any(c.calibration for c in report.candidates) else {}
     for name in names:
         layer = report.layer(name)
         param = model.get_parameter(layer.name)
@@ -480,7 +565,11 @@ def exact_loss_deltas(model, report: SensitivityReport, names: list[str], batche
                     if m is not None:
                         m.exact_delta = 0.0
                     continue
-                param.data = c.config.quantize_weight(original, name=name).dequantize(original.dtype)
+                if c.calibration is not None and name not in grams:
+                    m.exact_delta = None
+                    continue
+                q = quantize_candidate(c, original, gram=grams.get(name), name=name)
+                param.data = q.dequantize(original.dtype)
                 m.exact_delta = mean_loss(model, batches) - base
         finally:
             param.data = original
