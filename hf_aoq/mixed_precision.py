@@ -159,7 +159,11 @@ def apply_plan(model: nn.Module, chosen: MixedPrecisionPlan, decisions: dict[str
                            f"(e.g. {chosen.calibrated[0]}); pass the calibration token batches")
         from .calibration import quantize_planned
 
-        quantize_planned(model, todo, calibration, calibrate=chosen.calibrated)
+        done = quantize_planned(model, todo, calibration, calibrate=chosen.calibrated)
+        missed = sorted(set(chosen.calibrated) - {f"{n}.weight" for n in done.calibrated})
+        if missed:  # never a silent fallback to plain rounding
+            raise AOQError(f"GPTQ could not calibrate {missed[:3]} (only weights that one linear reads); "
+                           f"choose a candidate without +gptq for them")
         return model
     return carry_out(model, todo)
 
