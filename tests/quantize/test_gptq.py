@@ -155,3 +155,21 @@ def test_aoq_config_with_gptq_candidates_saves_and_reloads(tiny_llama_dir, tmp_p
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
     assert isinstance(AOQConfig.from_dict(saved).quant_type, FqnToConfig)
+
+
+def test_analyze_on_the_command_line_takes_gptq_candidates(tiny_llama_dir, tmp_path, capsys):
+    from hf_aoq import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{3 + (i * 7) % 500}" for i in range(300)))
+    out = tmp_path / "r.json"
+    rc = cli.main(["analyze", str(tiny_llama_dir), "--calibration", str(text), "--schemes",
+                   "int3-asym:g32,int3-asym:g32+gptq", "--tokens", "128", "--json", str(out)])
+    assert rc == 0 and "int3-asym:g32+gptq" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [c.get("calibration") for c in data["candidates"]] == [None, "gptq"]
+    linears = [l for l in data["layers"] if l["kind"] == "linear" and not l["tied"]]
+    assert all(l["results"]["int3-asym:g32+gptq"]["output_sqnr_db"] > l["results"]["int3-asym:g32"]["output_sqnr_db"]
+               for l in linears)
+    assert cli.main(["analyze", str(tiny_llama_dir), "--calibration", str(text), "--schemes", "int8+gptq"]) == 2
+    assert "GPTQ calibrates" in capsys.readouterr().err
