@@ -1,25 +1,21 @@
-"""Calibrated int4: GPTQ-style error feedback on a small text sample.
-
-For a linear layer with weight W [N, K] and calibration inputs X [T, K], rounding one input
-column of W changes the output by (w_col - q_col) x_col. GPTQ quantizes the columns in order
-and, after each, spreads its rounding error over the columns not yet quantized so that the
-layer's output on X changes as little as possible; the weights are then exactly what
-`Int4Tensor` stores (same format, same kernels), only chosen with data.
+"""Calibrated quantization of a whole model: GPTQ (hf_aoq.gptq) block by block on a small text sample.
 
 `quantize_with_calibration(model, config, batches)` records the inputs of the first decoder
 block once, then goes block by block: the block runs on its recorded inputs to collect the
 inputs of its linears (so each block sees the blocks before it already quantized), each linear
-is quantized from the Gram matrix of its inputs (H = X^T X, K x K, float32), and the quantized
-block runs once more to make the next block's inputs. Memory is the float model, the block
-inputs and one block's Gram matrices; time is about two forward passes plus the GPTQ sweeps.
+is quantized by GPTQ from the Gram matrix of its inputs (H = X^T X, K x K, float32), and the
+quantized block runs once more to make the next block's inputs. Memory is the float model, the
+block inputs and one block's Gram matrices; time is about two forward passes plus the GPTQ sweeps.
+The weights are exactly what their config's tensor type stores (same format, same kernels).
 
-Only `Int4WeightOnlyConfig` weights are calibrated by GPTQ; static float8 activation scales
+Weights of hf_aoq.gptq.GPTQ_CONFIGS (Int4WeightOnlyConfig, IntxWeightOnlyConfig,
+Int4DQWeightOnlyConfig) are calibrated by GPTQ (`quantize_planned(..., calibrate=names)`
+limits it to some); static float8 activation scales
 (`Float8StaticActivationFloat8WeightConfig(scale=None)`) are chosen first, on the float model
 (hf_aoq.activation_scales); other configs in a recipe are quantized as `quantize_` would.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -37,11 +33,9 @@ from .configs import (
     Int8DynamicActivationInt8WeightConfig,
 )
 from .core.errors import AOQError
-from .core.primitives import pack_int4
+from .gptq import GPTQ_CONFIGS, gptq_quantize
 from .quantize import Decision, carry_out, plan, set_quantized
-from .tensors.int4 import QMAX, QMIN, Int4Tensor, choose_int4_qparams
-
-MID = (QMIN + QMAX + 1) // 2
+from .tensors.int4 import Int4Tensor
 
 
 @dataclass
@@ -56,82 +50,17 @@ class CalibrationReport:
 
     def summary(self) -> str:
         return (
-            f"calibrated {len(self.calibrated)} int4 weights in {self.layers} stages on {self.tokens} tokens "
+            f"calibrated {len(self.calibrated)} weights by GPTQ in {self.layers} stages on {self.tokens} tokens "
             f"in {self.seconds:.1f} s (Gram matrices: {self.gram_bytes_peak / 2**20:.0f} MiB at most)"
         )
 
 
-def gptq_int4(
-    weight: torch.Tensor,
-    gram: torch.Tensor,
-    config: Int4WeightOnlyConfig,
-    *,
-    damping: float = 0.01,
-    name: str = "weight",
-) -> Int4Tensor:
-    """Quantize `weight` [N, K] to an Int4Tensor that minimises the output error on inputs whose
-    Gram matrix is `gram` [K, K]. Groups are chosen by `config` (its group size, symmetry and
-    parameter search) on the weights as updated by the error feedback so far."""
-    n, k = weight.shape
-    if gram.shape != (k, k):
-        raise AOQError(f"{name}: Gram matrix of shape {tuple(gram.shape)} does not match weight {n}x{k}")
-    g = config.group_size
-    w = weight.detach().float().clone()
-    h = gram.detach().float().clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0  # an input that was always zero: its column cannot matter
-    w[:, dead] = 0.0
-    h.diagonal().add_(damping * torch.diag(h).mean())
-    hinv = _upper_cholesky_of_inverse(h, name)
-
-    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
-    scales, zeros = [], []
-    for start in range(0, k, g):
-        end = min(start + g, k)
-        block = w[:, start:end]  # updated by the feedback from the columns before it
-        scale, zero = choose_int4_qparams(block, config, weight.dtype, name=name)
-        s = scale.float()
-        z = zero.float() if zero is not None else torch.zeros_like(s)
-        scales.append(scale)
-        zeros.append(zero)
-        hb = hinv[start:end, start:end]
-        errors = torch.empty_like(block)
-        # One column at a time: many tiny ops, which extra threads only slow down (measured
-        # 20x slower on a busy 2-core machine); the block update after it uses them all.
-        with _single_thread():
-            for i in range(end - start):
-                col = block[:, i]
-                q = torch.round((col - z[:, 0]) / s[:, 0]).add_(MID).clamp_(QMIN, QMAX)
-                codes[:, start + i] = q.to(torch.uint8)
-                err = (col - ((q - MID) * s[:, 0] + z[:, 0])) / hb[i, i]
-                block[:, i:] -= err[:, None] * hb[i, i:][None, :]
-                errors[:, i] = err
-        w[:, end:] -= errors @ hinv[start:end, end:]
-    scale = torch.cat(scales, dim=1)
-    zero = None if config.symmetric else torch.cat(zeros, dim=1)
-    return Int4Tensor(pack_int4(codes), scale, (1, g), tuple(weight.shape), weight.dtype, zero=zero)
-
-
-@contextlib.contextmanager
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _upper_cholesky_of_inverse(h: torch.Tensor, name: str) -> torch.Tensor:
-    for extra in (0.0, 0.1, 1.0):
-        hh = h if extra == 0 else h + torch.eye(h.shape[0], device=h.device) * extra * torch.diag(h).mean()
-        chol, info = torch.linalg.cholesky_ex(hh)
-        if int(info) == 0:
-            inv = torch.cholesky_inverse(chol)
-            upper, info = torch.linalg.cholesky_ex(inv, upper=True)
-            if int(info) == 0:
-                return upper
-    raise AOQError(f"{name}: the calibration inputs' Gram matrix is not positive definite even after damping")
+def gptq_int4(weight: torch.Tensor, gram: torch.Tensor, config: Int4WeightOnlyConfig, *, damping: float = 0.01,
+              name: str = "weight") -> Int4Tensor:
+    """GPTQ for an Int4WeightOnlyConfig weight (hf_aoq.gptq.gptq_quantize, kept under its old name)."""
+    if not isinstance(config, Int4WeightOnlyConfig):
+        raise AOQError(f"{name}: gptq_int4 takes an Int4WeightOnlyConfig, got {type(config).__name__}")
+    return gptq_quantize(weight, gram, config, damping=damping, name=name)
 
 
 # ---------------------------------------------------------------------- whole models
@@ -154,8 +83,8 @@ def quantize_with_calibration(
     log: Callable[[str], None] | None = None,
     method: str = "gptq",
 ) -> CalibrationReport:
-    """Quantize `model` in place like `quantize_(model, config, filter_fn)`, choosing every int4
-    weight of a linear layer by GPTQ on `batches` (token id tensors [B, T] that `model(ids)`
+    """Quantize `model` in place like `quantize_(model, config, filter_fn)`, choosing every
+    GPTQ_CONFIGS weight of a linear layer by GPTQ on `batches` (token id tensors [B, T] that `model(ids)`
     accepts). Returns what it cost.
 
     `method` picks what the calibration text chooses: "gptq" (this module), "awq" (activation-aware
@@ -165,20 +94,35 @@ def quantize_with_calibration(
 
     Linears inside numbered blocks (`<prefix>.<i>.`, e.g. `model.layers.3.mlp.up_proj`) are done
     block by block: the inputs of block 0 are recorded once, and each block then runs on the
-    outputs of the block before it, already quantized. Other int4 linears are calibrated on a
+    outputs of the block before it, already quantized. Other calibrated linears are calibrated on a
     full forward pass at the end."""
     if method != "gptq":
         return _scale_method(method)(model, config, batches, filter_fn=filter_fn, log=log)
+    return quantize_planned(model, plan(model, config, filter_fn=filter_fn), batches, damping=damping, log=log)
+
+
+def quantize_planned(
+    model: nn.Module,
+    decisions: dict[str, Decision],
+    batches: Iterable[torch.Tensor],
+    *,
+    calibrate: Iterable[str] | None = None,
+    damping: float = 0.01,
+    log: Callable[[str], None] | None = None,
+) -> CalibrationReport:
+    """Carry out `decisions` (a plan of hf_aoq.quantize.plan) on `model` in place, the weights of
+    GPTQ_CONFIGS that linears read chosen by GPTQ on `batches`, block by block (see
+    quantize_with_calibration). `calibrate`: only these weight names are calibrated (None: all
+    that can be); the rest are quantized as quantize_ would."""
     batches = [b if b.ndim == 2 else b.unsqueeze(0) for b in batches]
     if not batches:
         raise AOQError("calibration needs at least one batch of token ids")
     report = CalibrationReport(tokens=sum(b.numel() for b in batches))
     start_time = time.perf_counter()
-    decisions = plan(model, config, filter_fn=filter_fn)
     device = next(model.parameters()).device
     batches = [b.to(device) for b in batches]
     decisions = with_activation_scales(model, decisions, batches)  # on the float model, before any change
-    targets = _int4_linears(model, decisions)
+    targets = _gptq_linears(model, decisions, None if calibrate is None else set(calibrate))
 
     blocks: dict[str, dict[int, list[str]]] = {}
     rest = []
@@ -219,7 +163,7 @@ CALIBRATION_METHODS = ("gptq", "awq", "smoothquant")
 def calibrated_configs(method: str) -> tuple[type, ...]:
     """The config types whose weights `method` chooses (the rest are quantized as quantize_ does)."""
     if method == "gptq":
-        return (Int4WeightOnlyConfig,)
+        return GPTQ_CONFIGS
     if method == "awq":
         return (Int4WeightOnlyConfig, Int4DQWeightOnlyConfig)
     if method == "smoothquant":
@@ -237,12 +181,15 @@ def _scale_method(method: str):
     raise AOQError(f"calibration method must be one of {CALIBRATION_METHODS}, got {method!r}")
 
 
-def _int4_linears(model, decisions: dict[str, Decision]) -> dict[str, tuple[nn.Linear, Decision]]:
-    """{module name: (linear, decision)} for the planned int4 weights that linears alone read."""
+def _gptq_linears(model, decisions: dict[str, Decision], only: set[str] | None) -> dict[str, tuple[nn.Linear, Decision]]:
+    """{module name: (linear, decision)} for the planned GPTQ_CONFIGS weights that linears alone
+    read (and that `only` names, when given)."""
     targets = {}
     for name, decision in decisions.items():
         module_fqn, _, leaf = name.rpartition(".")
-        if leaf == "weight" and decision.place and isinstance(decision.config, Int4WeightOnlyConfig):
+        if only is not None and name not in only:
+            continue
+        if leaf == "weight" and decision.place and type(decision.config) in GPTQ_CONFIGS:
             targets[module_fqn] = (model.get_submodule(module_fqn), decision)
     return targets
 
@@ -314,7 +261,7 @@ def _quantize_from_grams(model, targets, names, grams, damping, report) -> None:
     report.gram_bytes_peak = max(report.gram_bytes_peak, sum(g.numel() * 4 for g in grams.values()))
     for name in names:
         module, decision = targets[name]
-        q = gptq_int4(module.weight.data, grams.pop(name), decision.config, damping=damping, name=f"{name}.weight")
+        q = gptq_quantize(module.weight.data, grams.pop(name), decision.config, damping=damping, name=f"{name}.weight")
         set_quantized(model, f"{name}.weight", decision, q)
         report.calibrated.append(name)
     report.layers += 1

@@ -9,7 +9,9 @@ lam per byte, every weight takes the candidate of least d + lam b; lam is the sm
 which the total fits), then spends what is left of the budget greedily on the upgrades that
 buy the most predicted loss per byte. The result is an ordinary FqnToConfig of exact weight
 names (None for a weight kept in float), which config.json stores like any recipe, so the
-checkpoint loads with no special code.
+checkpoint loads with no special code. Weights whose candidate carries "+gptq" are listed in
+`calibrated`: `apply_plan` chooses their values by GPTQ on the calibration tokens, block by block
+(hf_aoq.calibration.quantize_planned); GPTQ changes the values only, never the recipe.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .configs import FqnToConfig
@@ -36,6 +39,7 @@ class MixedPrecisionPlan:
     predicted_loss_delta: float  # sum of the chosen candidates' predicted loss changes
     base_loss: float  # the float model's loss on the calibration tokens
     counts: dict[str, int] = field(default_factory=dict)  # candidate name -> weights that took it
+    calibrated: tuple[str, ...] = ()  # the weights whose candidate is chosen by GPTQ
 
     def predicted_perplexity(self, float_perplexity: float | None = None) -> float:
         """The float model's perplexity (default: on the calibration tokens) x exp(predicted change)."""
@@ -120,22 +124,26 @@ def choose_recipe(report: SensitivityReport, target_bits: float, *, candidates=N
         used += extra
 
     by_name = {c.name: c for c in report.candidates}
-    choices, mapping, counts = {}, {}, {}
+    choices, mapping, counts, calibrated = {}, {}, {}, []
     delta = 0.0
     for layer, opts, i in zip(report.layers, per_layer, choice):
         _, d, name = opts[i]
         choices[layer.name] = name
         counts[name] = counts.get(name, 0) + 1
         delta += d
+        if by_name[name].calibration is not None:
+            calibrated.append(layer.name)
         for n in (layer.name, *layer.tied):
             mapping[n] = by_name[name].config
     return MixedPrecisionPlan(choices, FqnToConfig(mapping), float(target_bits), 8 * used / numel, delta,
-                              report.base_loss, counts)
+                              report.base_loss, counts, tuple(calibrated))
 
 
-def apply_plan(model: nn.Module, chosen: MixedPrecisionPlan, decisions: dict[str, Decision]) -> nn.Module:
+def apply_plan(model: nn.Module, chosen: MixedPrecisionPlan, decisions: dict[str, Decision],
+               calibration: list[torch.Tensor] | None = None) -> nn.Module:
     """Quantize `model` in place as `chosen` says, for the weights of `decisions` (the plan the
-    report was made over: its ties and placement are kept)."""
+    report was made over: its ties and placement are kept). Weights of `chosen.calibrated` are
+    chosen by GPTQ on `calibration` (token id batches [B, T]), which they need."""
     from dataclasses import replace
 
     todo = {}
@@ -145,6 +153,18 @@ def apply_plan(model: nn.Module, chosen: MixedPrecisionPlan, decisions: dict[str
             raise AOQError(f"{name} is in the plan but not in the mixed-precision choice")
         if cfg is not None:
             todo[name] = replace(d, config=cfg)
+    if chosen.calibrated:
+        if not calibration:
+            raise AOQError(f"the mixed-precision recipe calibrates {len(chosen.calibrated)} weights by GPTQ "
+                           f"(e.g. {chosen.calibrated[0]}); pass the calibration token batches")
+        from .calibration import quantize_planned
+
+        done = quantize_planned(model, todo, calibration, calibrate=chosen.calibrated)
+        missed = sorted(set(chosen.calibrated) - {f"{n}.weight" for n in done.calibrated})
+        if missed:  # never a silent fallback to plain rounding
+            raise AOQError(f"GPTQ could not calibrate {missed[:3]} (only weights that one linear reads); "
+                           f"choose a candidate without +gptq for them")
+        return model
     return carry_out(model, todo)
 
 
@@ -165,7 +185,7 @@ def quantize_mixed_precision(
     """Measure (or take `report`), choose a recipe at `target_bits`, quantize `model` in place by
     it; returns (the choice, the report). Arguments as hf_aoq.sensitivity.sensitivity takes them;
     embeddings are left out unless `include_embeddings`."""
-    from .sensitivity import analysis_plan, parse_candidates
+    from .sensitivity import analysis_plan, calibration_batches, parse_candidates
 
     cands = parse_candidates(candidates)
     if decisions is None:
@@ -178,7 +198,12 @@ def quantize_mixed_precision(
     report_scope = SensitivityReport(report.candidates, [l for l in report.layers if l.name in decisions],
                                      report.base_loss, report.tokens, report.seconds, report.estimator)
     chosen = choose_recipe(report_scope, target_bits, candidates=[c.name for c in cands])
-    apply_plan(model, chosen, decisions)
+    batches = None
+    if chosen.calibrated:  # GPTQ on the same tokens the report measured
+        batches = calibration_batches(calibration, tokenizer, tokens=tokens)
+        device = next(model.parameters()).device
+        batches = [b.to(device) for b in batches]
+    apply_plan(model, chosen, decisions, batches)
     if log is not None:
         log(chosen.summary())
     return chosen, report

@@ -24,7 +24,10 @@ SmolLM2, which `exact=N` measures for the N worst weights (a forward pass per we
 
 Memory: the float model, its activations for one backward pass over a batch, and one
 candidate's quantized copy of one weight at a time (it is made, measured and dropped inside the
-backward hook of the layer that reads it). Calibration tokens are processed `batch_windows`
+backward hook of the layer that reads it). A "+gptq" candidate (hf_aoq.candidates) is quantized
+by GPTQ from the Gram matrix of the layer's inputs on the float model: with one batch, the inputs
+the hook already holds; with several, a forward pre-pass sums them over every batch (one K x K
+float32 matrix per linear) and each GPTQ weight is made once and kept. Calibration tokens are processed `batch_windows`
 windows at a time; each batch quantizes every weight again, so a single batch is fastest.
 """
 from __future__ import annotations
@@ -35,65 +38,23 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .configs import AOQBaseConfig, FqnToConfig, config_for_scheme, recipe_to_dict
+from .configs import FqnToConfig, recipe_to_dict
 from .core.errors import AOQError
 from .core.tensor import AOQTensor
+from .candidates import (  # noqa: F401  (re-exported: hf_aoq.sensitivity.Candidate, parse_candidate, ...)
+    CALIBRATIONS, FLOAT_NAMES, Candidate, input_grams, parse_candidate, parse_candidates, quantize_candidate,
+)
 from .quantize import Decision, plan, tie_groups
 
 ESTIMATOR = "fisher"
 REPORT_VERSION = 1
-FLOAT_NAMES = ("bf16", "float")  # a candidate that leaves the weight as it is
 _CHUNK_ELEMENTS = 1 << 23  # rows of a layer's output change computed at once: about 32 MiB of float32
-
-
-# ---------------------------------------------------------------------- candidates
-@dataclass(frozen=True)
-class Candidate:
-    """One way to store a weight: `config` (None: leave it in float), under a short `name`."""
-
-    name: str
-    config: AOQBaseConfig | None
-
-
-def parse_candidate(item: "str | AOQBaseConfig | Candidate") -> Candidate:
-    """A candidate from a scheme name ("int4", "int8", "int4-plain:g32": a scheme of
-    hf_aoq.configs.SCHEMES, optionally with ":g<group size>"; "bf16": keep float), a config, or
-    a Candidate."""
-    if isinstance(item, Candidate):
-        return item
-    if isinstance(item, AOQBaseConfig):
-        return Candidate(repr(item), item)
-    if not isinstance(item, str) or not item.strip():
-        raise AOQError(f"a candidate is a scheme name (e.g. int4, int8, int4-plain:g32, bf16) or a config, got {item!r}")
-    name = item.strip()
-    if name in FLOAT_NAMES:
-        return Candidate(name, None)
-    scheme, _, group = name.partition(":")
-    group_size = None
-    if group:
-        if not (group.startswith("g") and group[1:].isdigit()):
-            raise AOQError(f"candidate {name!r}: the group size is written :g<N>, e.g. int4-plain:g32")
-        group_size = int(group[1:])
-    return Candidate(name, config_for_scheme(scheme, group_size))
-
-
-def parse_candidates(items: "str | Iterable[str | AOQBaseConfig | Candidate]") -> list[Candidate]:
-    """Candidates from a comma-separated string or a list; names must be distinct."""
-    if isinstance(items, str):
-        items = [s for s in items.split(",") if s.strip()]
-    out = [parse_candidate(i) for i in items]
-    if not out:
-        raise AOQError("sensitivity needs at least one candidate scheme")
-    names = [c.name for c in out]
-    if len(set(names)) != len(names):
-        raise AOQError(f"candidate names repeat: {names}")
-    return out
 
 
 # ---------------------------------------------------------------------- the report
@@ -150,7 +111,8 @@ class SensitivityReport:
             "base_loss": self.base_loss,
             "tokens": self.tokens,
             "seconds": self.seconds,
-            "candidates": [{"name": c.name, "config": None if c.config is None else recipe_to_dict(c.config)}
+            "candidates": [{"name": c.name, "config": None if c.config is None else recipe_to_dict(c.config),
+                            **({"calibration": c.calibration} if c.calibration else {})}
                            for c in self.candidates],
             "layers": [{"name": l.name, "kind": l.kind, "shape": list(l.shape), "tied": list(l.tied),
                         "results": {k: None if m is None else asdict(m) for k, m in l.results.items()}}
@@ -166,7 +128,8 @@ class SensitivityReport:
             if data["version"] != REPORT_VERSION:
                 raise FormatError(f"{where}: version {data['version']!r}; this hf_aoq reads {REPORT_VERSION}")
             candidates = [Candidate(str(c["name"]), None if c["config"] is None
-                                    else recipe_from_dict(c["config"], where=f"{where}.candidates"))
+                                    else recipe_from_dict(c["config"], where=f"{where}.candidates"),
+                                    None if c.get("calibration") is None else str(c["calibration"]))
                           for c in data["candidates"]]
             layers = [LayerSensitivity(str(l["name"]), str(l["kind"]), tuple(int(s) for s in l["shape"]),
                                        tuple(str(t) for t in l["tied"]),
@@ -176,7 +139,9 @@ class SensitivityReport:
                        float(data.get("seconds", 0.0)), str(data.get("estimator", ESTIMATOR)))
         except FormatError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except AOQError as e:  # e.g. a calibration method this hf_aoq does not know
+            raise FormatError(f"{where}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise FormatError(f"{where}: not a sensitivity report written by hf_aoq ({type(e).__name__}: {e})") from None
 
     def save(self, path: str | os.PathLike) -> None:
@@ -311,6 +276,10 @@ class _Analysis:
         self.sums = {(n, c.name): _Accumulator() for n in decisions for c in self.candidates}
         self.static: dict[tuple[str, str], tuple[int, float] | None] = {}  # (bytes, weight SQNR) or None
         self.readers: dict[str, list[str]] = {n: [x.rpartition(".")[0] for x in (n, *d.tied)] for n, d in decisions.items()}
+        # GPTQ candidates: with several batches, the Gram matrices over all of them (a pre-pass)
+        # and each calibrated tensor, made once; with one, the batch's own inputs.
+        self.grams: dict[str, torch.Tensor] | None = None
+        self.calibrated: dict[tuple[str, str], AOQTensor] = {}
 
     def hooks(self):
         handles = []
@@ -349,7 +318,7 @@ class _Analysis:
             if self.static.get(key, ()) is None:
                 continue
             try:
-                q = c.config.quantize_weight(w, name=name)
+                q = self._quantize(c, name, w, None if embedding else x)
             except AOQError:
                 self.static[key] = None  # e.g. a group size that does not divide this weight
                 continue
@@ -368,6 +337,23 @@ class _Analysis:
                 acc.first += along.sum().item()
                 acc.fisher += along.square().sum().item()
                 acc.diag += (gc.square() * dy.square()).sum().item()
+
+    def _quantize(self, c: Candidate, name: str, w: torch.Tensor, x: torch.Tensor | None) -> AOQTensor:
+        if c.calibration is None:
+            return quantize_candidate(c, w, name=name)
+        key = (name, c.name)
+        if key in self.calibrated:
+            return self.calibrated[key]
+        if self.grams is not None:
+            gram = self.grams.get(name)
+        else:
+            gram = None if x is None or len(self.readers[name]) > 1 else x.t() @ x
+        if gram is None:
+            raise AOQError(f"{name}: GPTQ calibrates weights that one linear reads")  # this candidate does not fit
+        q = quantize_candidate(c, w, gram=gram, name=name)
+        if self.grams is not None:
+            self.calibrated[key] = q
+        return q
 
     def layers(self, tokens: int, all_candidates: list[Candidate]) -> list[LayerSensitivity]:
         out = []
@@ -431,6 +417,8 @@ def sensitivity(
     if not decisions:
         raise AOQError("sensitivity: no weight in scope (no linear or embedding the filter accepts)")
     analysis = _Analysis(model, decisions, candidates)
+    if len(batches) > 1 and any(c.calibration for c in candidates):
+        analysis.grams = input_grams(model, decisions, batches)
     grad_flags = {n: p.requires_grad for n, p in model.named_parameters()}
     was_training = model.training
     model.eval()
@@ -469,6 +457,7 @@ def exact_loss_deltas(model, report: SensitivityReport, names: list[str], batche
     """Fill `exact_delta` for each named weight and candidate: the model's mean loss on `batches`
     with only that weight quantized (dequantized in place, then restored), minus the float loss."""
     base = mean_loss(model, batches)
+    grams = input_grams(model, names, batches) if any(c.calibration for c in report.candidates) else {}
     for name in names:
         layer = report.layer(name)
         param = model.get_parameter(layer.name)
@@ -480,7 +469,11 @@ def exact_loss_deltas(model, report: SensitivityReport, names: list[str], batche
                     if m is not None:
                         m.exact_delta = 0.0
                     continue
-                param.data = c.config.quantize_weight(original, name=name).dequantize(original.dtype)
+                if c.calibration is not None and name not in grams:
+                    m.exact_delta = None
+                    continue
+                q = quantize_candidate(c, original, gram=grams.get(name), name=name)
+                param.data = q.dequantize(original.dtype)
                 m.exact_delta = mean_loss(model, batches) - base
         finally:
             param.data = original

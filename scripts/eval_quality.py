@@ -126,6 +126,12 @@ def hf_aoq_options(calibration):
         yield f"hf_aoq int4 g128 {qparams} + calibration (GPTQ)", lambda m, q=qparams: quantize_with_calibration(
             m, I4(128, qparams=q), calibration, filter_fn=not_lm_head
         )
+    # GPTQ (hf_aoq.gptq) beyond Int4: the Int4DQ default, and asymmetric int3 at 4.0 and 3.5 bits.
+    for label, cfg in (("int4dq g32", hf_aoq.Int4DQWeightOnlyConfig(32)),
+                       ("intx int3 g32 asymmetric", Ix(torch.int3, hf_aoq.PerGroup(32), "asymmetric")),
+                       ("intx int3 g64 asymmetric", Ix(torch.int3, hf_aoq.PerGroup(64), "asymmetric"))):
+        yield f"hf_aoq {label} + calibration (GPTQ)", lambda m, c=cfg: quantize_with_calibration(
+            m, c, calibration, filter_fn=not_lm_head)
     # Activation-aware scales (hf_aoq.awq), folded into the blocks: the same tensors and sizes.
     for label, cfg in (("int4 g128 mse", I4(128)), ("int4dq g32", hf_aoq.Int4DQWeightOnlyConfig(32))):
         yield f"hf_aoq {label} + calibration (AWQ)", lambda m, c=cfg: quantize_with_calibration(
@@ -154,30 +160,50 @@ def hf_aoq_options(calibration):
 MIXED_CANDIDATES = ["int4", "int4-plain", "int4-plain:g256", "int8", "int3:g64", "int3:g32", "int2:g32",
                     "int4:g64", "int3-asym:g64", "int3-asym:g128", "int2-asym:g32"]
 MIXED_BUDGETS = (4.2, 4.25, 4.3, 4.5, 5.0, 4.0, 3.5)
-_REPORT = {}
+# With GPTQ-calibrated candidates ("+gptq": each layer's loss change is measured with its GPTQ
+# weight, and the chosen recipe applies GPTQ to those layers, block by block): Int4DQ g32/g64,
+# asymmetric int3 at 4.0, 3.5 and 3.25 bits and int2 at 3.0, beside plain Int4DQ g32, int4 g32
+# (5 bits: SmolLM2's own Q4_1 grid, exact), int5 and int8.
+MIXED_GPTQ_CANDIDATES = ["int4", "int4+gptq", "int4:g64+gptq", "int4-plain:g32", "int3-asym:g32+gptq",
+                         "int3-asym:g64+gptq", "int3-asym:g128+gptq", "int2-asym:g32+gptq", "int5-asym:g64", "int8"]
+MIXED_GPTQ_BUDGETS = (4.0, 3.5)
+_REPORTS: dict[tuple[str, ...], object] = {}
 
 
-def mixed_options(calibration, report_path=None, save_path=None):
+def mixed_options(calibration, report_paths=(), save_path=None):
     from hf_aoq.mixed_precision import apply_plan, choose_recipe
     from hf_aoq.sensitivity import SensitivityReport, analysis_plan, parse_candidates, sensitivity
 
-    def apply(m, bits):
-        decisions = analysis_plan(m, parse_candidates(MIXED_CANDIDATES), filter_fn=not_lm_head, include_embeddings=False)
-        if "report" not in _REPORT:
-            if report_path:
-                with open(report_path) as f:
-                    _REPORT["report"] = SensitivityReport.from_dict(json.load(f), where=report_path)
+    batches = [torch.cat(calibration)]
+
+    def report_for(m, candidates, decisions, label):
+        key = tuple(candidates)
+        if key not in _REPORTS:
+            for path in report_paths or ():
+                with open(path) as f:
+                    report = SensitivityReport.from_dict(json.load(f), where=path)
+                if [c.name for c in report.candidates] == list(candidates):
+                    _REPORTS[key] = report
+                    break
             else:
-                _REPORT["report"] = sensitivity(m, MIXED_CANDIDATES, [torch.cat(calibration)], decisions=decisions)
+                _REPORTS[key] = sensitivity(m, candidates, batches, decisions=decisions)
                 if save_path:
-                    _REPORT["report"].save(save_path)
-        report = _REPORT["report"]
-        chosen = choose_recipe(report, bits, candidates=MIXED_CANDIDATES)
-        apply_plan(m, chosen, decisions)
+                    root, ext = os.path.splitext(save_path)
+                    _REPORTS[key].save(f"{root}.{label}{ext or '.json'}")
+        return _REPORTS[key]
+
+    def apply(m, bits, candidates, label):
+        decisions = analysis_plan(m, parse_candidates(candidates), filter_fn=not_lm_head, include_embeddings=False)
+        report = report_for(m, candidates, decisions, label)
+        chosen = choose_recipe(report, bits, candidates=candidates)
+        apply_plan(m, chosen, decisions, batches)
         return chosen
 
-    for bits in MIXED_BUDGETS:
-        yield f"hf_aoq mixed precision <= {bits} bits ({','.join(MIXED_CANDIDATES)})", lambda m, b=bits: apply(m, b)
+    for label, candidates, budgets in (("plain", MIXED_CANDIDATES, MIXED_BUDGETS),
+                                       ("gptq", MIXED_GPTQ_CANDIDATES, MIXED_GPTQ_BUDGETS)):
+        for bits in budgets:
+            yield (f"hf_aoq mixed precision <= {bits} bits ({','.join(candidates)})",
+                   lambda m, b=bits, c=candidates, l=label: apply(m, b, c, l))
 
 
 def peer_options():
@@ -198,11 +224,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", help="run only the options whose name contains one of these")
     parser.add_argument("--json", help="also write the table as JSON here")
-    parser.add_argument("--sensitivity", metavar="REPORT.json",
-                        help="mixed-precision rows: read this sensitivity report (hf_aoq.sensitivity, made on the "
-                             "calibration tokens) instead of measuring one (its time is then not in quantize (s))")
+    parser.add_argument("--sensitivity", metavar="REPORT.json", nargs="*", default=(),
+                        help="mixed-precision rows: read these sensitivity reports (hf_aoq.sensitivity, made on the "
+                             "calibration tokens; each used for the candidate set it has) instead of measuring "
+                             "(their time is then not in quantize (s))")
     parser.add_argument("--save-sensitivity", metavar="REPORT.json",
-                        help="mixed-precision rows: write the sensitivity report measured here, for a later --sensitivity")
+                        help="mixed-precision rows: write each sensitivity report measured here, as "
+                             "REPORT.plain.json / REPORT.gptq.json, for a later --sensitivity")
     args = parser.parse_args()
 
     base, tokenizer = smollm2.load(torch.bfloat16)
