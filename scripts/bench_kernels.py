@@ -115,6 +115,12 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     out.append(("hf_aoq nvfp4 dyn-act reference", lambda: reference.reference_linear(x, nv4d, None)))
     q4g32 = Int4Tensor.from_float(w.to(dtype), 32).place()
     out.append(("hf_aoq int4 g32 F.linear", lambda: F.linear(x, q4g32)))
+    from hf_aoq import Int4DQTensor
+
+    dq32 = Int4DQTensor.from_float(w.to(dtype), 32).place()  # the command line's default `int4` scheme
+    out.append(("hf_aoq int4dq g32 F.linear", lambda: F.linear(x, dq32)))
+    if gemm and dq32.packing == "cpu_int4dq":
+        out.append((f"hf_aoq int4dq g32 dequant {str(dtype)[6:]} + aten GEMM", lambda: cpu_gemm._int4dq(x, dq32, None)))
     if ext is not None and hasattr(ext, "intx_linear_io"):  # IntxTensor's fields: any bytes are valid codes
         from hf_aoq.kernels import cpu_intx
 

@@ -39,7 +39,8 @@ LDFLAGS = ("-fopenmp",)
 # Per instruction set: the compiler flags, and the CPU flags (as /proc/cpuinfo names them) that a
 # binary built with them needs. The first one the running CPU (and OS: cpu_isa) allows is built.
 # avx512: the AVX2 kernels compiled for AVX-512 (F/BW/VL/DQ), with VNNI's vpdpwssd in the int4
-# kernel's integer multiply-adds (int4_pairs.h; the same integer sums as the AVX2 build's).
+# kernel's integer multiply-adds and its 64-row 512-bit step (int4_pairs.h, int4_pairs512.h; the
+# same integer sums and float32 operations as the AVX2 build's, so the same outputs).
 ISAS = {
     "avx512": (("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
                 "-mavx512bf16"),

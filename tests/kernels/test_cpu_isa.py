@@ -150,11 +150,17 @@ weights = {"int4": Int4Tensor.from_float(w.bfloat16(), 128).place(), "int4dq": I
            "int8": Int8Tensor.from_float(w), "fp8": Float8Tensor.from_float(w),
            "int8-int4": Int4Tensor.from_float(w, 32, act_quant="per_token", act_dtype=torch.int8).place(),
            "int4-int4 asym": Int4Tensor.from_float(w, 128, False, act_quant="per_token", act_dtype=torch.int4).place()}
+# 112 rows, groups of 32 (an odd number of them): the AVX-512 build's 64-row step of the int4
+# integer path beside a 32-row block and a 16-row tail; scale and zero in each float dtype.
+w2 = torch.randn(112, 160) * 0.05
+weights.update({f"int4 g32 112 {str(dt)[6:]}": Int4Tensor.from_float(w2.to(dt), 32).place()
+                for dt in (torch.float32, torch.bfloat16, torch.float16)})
+weights["int4dq g32 112"] = Int4DQTensor.from_float(w2, 32).place()
 out, kernels = {}, {}
-for rows in (1, 2, 5, 12):  # below the bf16-GEMM rows (which the reference test covers)
+for rows in (1, 2, 3, 4, 5, 8, 12):  # below the bf16-GEMM rows (which the reference test covers)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x = torch.randn(rows, 384, dtype=dtype)
         for name, q in weights.items():
+            x = torch.randn(rows, q.shape[1], dtype=dtype)
             key = f"{name} {rows} {str(dtype)[6:]}"
             out[key] = F.linear(x, q).contiguous()
             kernels[key] = select_kernel("linear", x, q).name

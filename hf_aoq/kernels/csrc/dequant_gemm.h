@@ -61,21 +61,24 @@ void dequant_gemm(const torch::Tensor& x, torch::Tensor& y, int64_t N, int64_t K
 
 // float32 -> T, one value: bfloat16 to nearest, ties to even (c10::BFloat16's conversion, as
 // torch's .to(bfloat16) rounds), float16 likewise.
+#if defined(__AVX2__)
+// Eight float32 values as bfloat16 (their bits, in the low 128 bits), rounded as c10::BFloat16
+// rounds: to nearest, ties to even; NaN -> 0x7FC0.
+inline __m128i bf16_round8(__m256 v) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), qnan = _mm256_set1_epi32(0x7FC0);
+  const __m256i b = _mm256_castps_si256(v);
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+  r = _mm256_blendv_epi8(qnan, r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+#endif
+
 template <typename T>
 inline void narrow_floats(const float* src, T* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__)
-  if constexpr (std::is_same<T, c10::BFloat16>::value) {
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), qnan = _mm256_set1_epi32(0x7FC0);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(src + i);
-      const __m256i b = _mm256_castps_si256(v);
-      __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
-      r = _mm256_blendv_epi8(qnan, r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
-      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(p));
-    }
-  }
+  if constexpr (std::is_same<T, c10::BFloat16>::value)
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16_round8(_mm256_loadu_ps(src + i)));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
@@ -112,14 +115,17 @@ void dequant_weight_into(T* out, int64_t N, int64_t K, int64_t k, int64_t align,
   const int64_t C = std::min(N, gemm_chunk_columns(K, align));
   const int64_t chunks = (N + C - 1) / C;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> buf(C * K), rows(transposed ? 8 * k : 0);
+    std::vector<float> buf(transposed ? C * K : K), rows(transposed ? 8 * k : 0);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * C, n1 = std::min(N, n0 + C), cols = n1 - n0;
-      dequant(n0, n1, buf.data());
-      if (!transposed) {
-        for (int64_t r = 0; r < cols; ++r) narrow_floats(buf.data() + r * K, out + (n0 + r) * k, k);
+      if (!transposed) {  // a row at a time: its float32 buffer stays in L1 (a chunk's did not)
+        for (int64_t n = n0; n < n1; ++n) {
+          dequant(n, n + 1, buf.data());
+          narrow_floats(buf.data(), out + n * k, k);
+        }
         continue;
       }
+      dequant(n0, n1, buf.data());
       // buf is [K, cols]: 8 output rows at a time transposed into `rows` ([8, k], 8x8 tiles in
       // registers), then narrowed.
       for (int64_t r0 = 0; r0 < cols; r0 += 8) {

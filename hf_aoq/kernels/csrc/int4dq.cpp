@@ -55,6 +55,9 @@ struct DQParams {
   const float* clo;
   const float* cstep;
   int64_t N;
+  // dlo, dstep, clo, cstep again (4 arrays N apart), rows [64c, 64c + 64) in int4_pairs512.h's
+  // 64-row lane order; for block64.
+  const float* rows64;
   void operator()(int64_t g, int64_t n0, int64_t rows, float* __restrict d, float* __restrict c) const {
     const uint8_t* __restrict p = gp + g * N + n0;
     const float* __restrict l0 = dlo + n0;
@@ -79,6 +82,24 @@ struct DQParams {
       c[r] = l1[r] + b * s1[r];
     }
   }
+#if HF_AOQ_INT4_512
+  // d and c of rows n0..n0+63 (n0 a multiple of 64) in the 64-row lane order, by the same
+  // multiply and add.
+  void block64(int64_t g, int64_t n0, __m512* d, __m512* c) const {
+    const uint8_t* p = gp + g * N + n0;
+    const float* r = rows64 + n0;
+    for (int t = 0; t < 4; ++t) {
+      const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * t)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 8 * t)));
+      const __m512i v = _mm512_cvtepu8_epi32(bytes);
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      const float* q = r + 16 * t;
+      d[t] = _mm512_add_ps(_mm512_loadu_ps(q), _mm512_mul_ps(a, _mm512_loadu_ps(q + N)));
+      c[t] = _mm512_add_ps(_mm512_loadu_ps(q + 2 * N), _mm512_mul_ps(b, _mm512_loadu_ps(q + 3 * N)));
+    }
+  }
+#endif
 };
 
 }  // namespace
@@ -112,9 +133,21 @@ DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, 
                   gparams_t.size(1) == N && gparams_t.is_contiguous(),
               "gparams_t: contiguous uint8 [Kp/group_size, N]");
   TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
-  rows = int4dq_decode(rparams, tparams).t().contiguous();  // [4, N]: dlo, dstep, clo, cstep
-  const float* rp = rows.data_ptr<float>();
-  return DQParams{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N};
+  // [8, N]: dlo, dstep, clo, cstep by row, then the same in the 64-row lane order (rows past the
+  // last whole 64 in order).
+  const torch::Tensor dec = int4dq_decode(rparams, tparams);
+  rows = torch::empty({8, N}, dec.options());
+  const float* d = dec.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  const int64_t n64 = N / 64 * 64;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t at = n < n64 ? n / 64 * 64 + int4_lane64(n % 64) : n;
+    for (int f = 0; f < 4; ++f) {
+      rp[f * N + n] = d[n * 4 + f];
+      rp[(4 + f) * N + at] = d[n * 4 + f];
+    }
+  }
+  return DQParams{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N, rp + 4 * N};
 }
 
 }  // namespace

@@ -1,0 +1,180 @@
+// The AVX-512 step of the int4 kernels' integer path (int4_pairs.h's int4_linear_codes): two
+// adjacent full blocks of the pairs layout, 64 weight rows, per 512-bit register.
+//
+// Column pair j of block A (rows n0..n0+31) and of block B (rows n0+32..n0+63) are 32 bytes
+// each; one zmm holds both, so shifting and masking it gives four vectors of int16 code pairs,
+// vector t holding rows 8t..8t+7 of A in lanes 0-7 and of B in lanes 8-15 (the "64-row lane
+// order"). Every per-group step then covers 16 rows per instruction where the AVX2 code covers 8:
+// the integer multiply-adds (vpdpwssd), and above all the group's parameters and epilogue, which
+// dominate at groups of 32 (the providers' `block64` produces scale and zero straight in this
+// lane order). Per output the operations are those of the AVX2 code, in the same order (exact
+// int32 sums, then int4_epilogue16's multiplies and adds, group after group), so both builds
+// still give the same outputs bit for bit.
+// Internal linkage (an anonymous namespace), as in every header here.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "int16_rows.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define HF_AOQ_INT4_512 1
+#else
+#define HF_AOQ_INT4_512 0
+#endif
+
+namespace {
+
+// Row r (0..63) of a 64-row step sits at lane position int4_lane64(r) of the step's 4 x 16
+// lanes (vector t = position / 16).
+inline int64_t int4_lane64(int64_t r) { return (r % 32) / 8 * 16 + r / 32 * 8 + r % 8; }
+
+#if HF_AOQ_INT4_512
+constexpr int kMaxTile64 = 4;  // activation rows per pass over a step's codes: 16 int32 accumulators
+
+// acc[i][t] (int32) = sum over column pairs [j0, j1) of the step's codes times row xc[i]'s
+// int16 codes, in the 64-row lane order. One row: two chains per vector (even and odd pairs),
+// as the AVX2 code, so that vpdpwssd's latency hides.
+template <int MB>
+__attribute__((always_inline)) inline void int4_group_isums64(const uint8_t* a, const uint8_t* b,
+                                                              const int16_t* const* xc, int64_t j0, int64_t j1,
+                                                              __m512i (*acc)[4]) {
+  const __m512i m4 = _mm512_set1_epi16(15);
+  auto codes = [&](int64_t j, __m512i* q) {
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j)), 1);
+    q[0] = _mm512_and_si512(v, m4);
+    q[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    q[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), m4);
+    q[3] = _mm512_srli_epi16(v, 12);
+  };
+  auto xpair = [&](int i, int64_t j) {
+    int32_t v;
+    std::memcpy(&v, xc[i] + 2 * j, sizeof v);
+    return _mm512_set1_epi32(v);
+  };
+  __m512i s[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int t = 0; t < 4; ++t) s[i][t] = _mm512_setzero_si512();
+  int64_t j = j0;
+  if (MB == 1) {
+    __m512i o[4];
+    for (int t = 0; t < 4; ++t) o[t] = _mm512_setzero_si512();
+    for (; j + 2 <= j1; j += 2) {
+      __m512i q[4], r[4];
+      codes(j, q);
+      codes(j + 1, r);
+      const __m512i xa = xpair(0, j), xb = xpair(0, j + 1);
+      for (int t = 0; t < 4; ++t) {
+        s[0][t] = _mm512_dpwssd_epi32(s[0][t], q[t], xa);
+        o[t] = _mm512_dpwssd_epi32(o[t], r[t], xb);
+      }
+    }
+    for (int t = 0; t < 4; ++t) s[0][t] = _mm512_add_epi32(s[0][t], o[t]);
+  }
+  for (; j < j1; ++j) {
+    __m512i q[4];
+    codes(j, q);
+    for (int i = 0; i < MB; ++i) {
+      const __m512i x = xpair(i, j);
+      for (int t = 0; t < 4; ++t) s[i][t] = _mm512_dpwssd_epi32(s[i][t], q[t], x);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int t = 0; t < 4; ++t) acc[i][t] = s[i][t];
+}
+
+// out[t] += (s * sx) * acc[t] + zc * xs: int4_epilogue16's operations (zc = z - offset * s,
+// computed once per group by the caller), 16 rows at a time.
+__attribute__((always_inline)) inline void int4_epilogue64(const __m512* s, const __m512* zc, float sx, float xs,
+                                                           const __m512i* acc, __m512* out) {
+  const __m512 sxv = _mm512_set1_ps(sx), xsv = _mm512_set1_ps(xs);
+  for (int t = 0; t < 4; ++t) {
+    const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(s[t], sxv), _mm512_cvtepi32_ps(acc[t])),
+                                   _mm512_mul_ps(zc[t], xsv));
+    out[t] = _mm512_add_ps(out[t], v);
+  }
+}
+
+template <class P>
+__attribute__((always_inline)) inline void int4_params64(const P& params, int64_t g, int64_t n0, __m512* s, __m512* zc) {
+  __m512 z[4];
+  params.block64(g, n0, s, z);
+  const __m512 off = _mm512_set1_ps(P::offset);
+  for (int t = 0; t < 4; ++t) zc[t] = _mm512_sub_ps(z[t], _mm512_mul_ps(off, s[t]));
+}
+
+// Output vector t (64-row lane order) to y's rows n0 + 8t.. and n0 + 32 + 8t..
+inline void int4_store64(float* y, const __m512* o) {
+  for (int t = 0; t < 4; ++t) {
+    _mm256_storeu_ps(y + 8 * t, _mm512_castps512_ps256(o[t]));
+    _mm256_storeu_ps(y + 32 + 8 * t, _mm512_extractf32x8_ps(o[t], 1));
+  }
+}
+
+// Activation rows [m0, m0 + MB) of a step, the outputs in `out` (float [M][64], lane order).
+template <int MB>
+inline void int4_tile64(const Int16Rows& xq, const uint8_t* a, const uint8_t* b, const __m512* s, const __m512* zc,
+                        int64_t m0, int64_t K, int64_t G, int64_t g, int64_t gs, float* out) {
+  const int16_t* xc[MB];
+  for (int i = 0; i < MB; ++i) xc[i] = xq.codes.data() + (m0 + i) * K;
+  __m512i acc[MB][4];
+  int4_group_isums64<MB>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc);
+  for (int i = 0; i < MB; ++i) {
+    float* op = out + (m0 + i) * 64;
+    __m512 o[4];
+    for (int t = 0; t < 4; ++t) o[t] = _mm512_loadu_ps(op + 16 * t);
+    int4_epilogue64(s, zc, xq.sx[(m0 + i) * G + g], xq.xs[(m0 + i) * G + g], acc[i], o);
+    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(op + 16 * t, o[t]);
+  }
+}
+
+// y[:, n0:n0+64] for weight rows n0..n0+63 (two full blocks), all M activation rows. One row:
+// the outputs stay in registers over the groups; more: per group, tiles of up to kMaxTile64 rows
+// share each decoded code vector.
+template <class P>
+void int4_step64(const Int16Rows& xq, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K,
+                 int64_t gs, int64_t n0, std::vector<float>& out) {
+  const int64_t G = K / gs;
+  const uint8_t* a = w + n0 * K / 2;
+  const uint8_t* b = a + 32 * K / 2;
+  __m512 s[4], zc[4];
+  if (M == 1) {
+    const int16_t* xc[1] = {xq.codes.data()};
+    __m512 o[4];
+    for (int t = 0; t < 4; ++t) o[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i acc[1][4];
+      int4_group_isums64<1>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc);
+      int4_params64(params, g, n0, s, zc);
+      int4_epilogue64(s, zc, xq.sx[g], xq.xs[g], acc[0], o);
+    }
+    int4_store64(y + n0, o);
+    return;
+  }
+  out.assign(M * 64, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    int4_params64(params, g, n0, s, zc);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxTile64) {
+      switch (std::min<int64_t>(kMaxTile64, M - m0)) {
+        case 1: int4_tile64<1>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+        case 2: int4_tile64<2>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+        case 3: int4_tile64<3>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+        default: int4_tile64<kMaxTile64>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 o[4];
+    for (int t = 0; t < 4; ++t) o[t] = _mm512_loadu_ps(out.data() + m * 64 + 16 * t);
+    int4_store64(y + m * N + n0, o);
+  }
+}
+#endif
+
+}  // namespace
