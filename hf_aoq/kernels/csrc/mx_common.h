@@ -344,6 +344,8 @@ inline vfloat fp4_chunk_scales(const float* s) {
 // out[i * NR + r] = activation row i (xp, laid out by fp4_layout_rows, ldx floats apart) . weight
 // row r, over `chunks` chunks of which the first `full` are read from the row, the last from its
 // tail; the rows' sf hold BPC scales per chunk.
+constexpr int64_t kFp4Prefetch = 8;  // chunks ahead (fp4_tile)
+
 template <int NR, int MB, int BPC>
 void fp4_tile(const RowView* rows, int64_t chunks, int64_t full, const float* xp, int64_t ldx, float* out) {
   static constexpr int order[8] = {4, 0, 5, 1, 6, 2, 7, 3};
@@ -354,6 +356,14 @@ void fp4_tile(const RowView* rows, int64_t chunks, int64_t full, const float* xp
   for (int64_t c = 0; c < chunks; ++c) {
     vint v[NR];
     for (int r = 0; r < NR; ++r) v[r] = load_lanes(c < full ? rows[r].row + c * 64 : rows[r].tail);
+    // The tile's NR rows are NR interleaved streams within one 4 KB page (rows of K / 2 bytes),
+    // which the hardware prefetcher follows poorly: the loads above stalled on memory (a third of
+    // the GEMV's samples under perf). Asking for each row's chunk 8 ahead (512 bytes) took the
+    // MXFP4 GEMV from 0.56 to 0.45 ms (2048x5632, batch 1, one thread, AVX-512 Xeon; 4 and 16
+    // ahead measured the same). A prefetch past a row's end touches the next row, never faults,
+    // and changes no value.
+    for (int r = 0; r < NR; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r].row + (c + kFp4Prefetch) * 64), _MM_HINT_T0);
     vfloat part[MB][NR];
     for (int i = 0; i < MB; ++i)
       for (int r = 0; r < NR; ++r) part[i][r] = vzero();
