@@ -124,12 +124,22 @@ def test_the_table_picks_the_gemv_for_few_rows_and_dequantize_gemm_above():
 @needs_ext
 @pytest.mark.parametrize("rows", [1, 7])
 def test_torch_compile_agrees_with_eager_and_sees_one_custom_op(rows):
-    from torch._dynamo.backends.common import aot_autograd
-
     w = nv_weight(40, 96)
     lin = torch.nn.Linear(96, 40, bias=True).to(torch.bfloat16)
     lin.weight = torch.nn.Parameter(w.replace(dtype=torch.bfloat16), requires_grad=False)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = lin(x)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(lin, backend="inductor", fullgraph=True)(x), eager)
+    assert compiled_hf_aoq_ops(lin, x, eager) == ["hf_aoq.nvfp4_linear_io_cpu.default"]
+
+
+def compiled_hf_aoq_ops(lin, x, eager):
+    """The hf_aoq custom ops in the graph of `lin` compiled with fullgraph=True, once its output on
+    x is checked to equal `eager`."""
+    from torch._dynamo.backends.common import aot_autograd
+
     ops = []
 
     def record(gm, inputs):
@@ -137,12 +147,9 @@ def test_torch_compile_agrees_with_eager_and_sees_one_custom_op(rows):
         return gm
 
     with torch.no_grad():
-        eager = lin(x)
-        torch._dynamo.reset()
-        assert torch.equal(torch.compile(lin, backend="inductor", fullgraph=True)(x), eager)
         torch._dynamo.reset()
         assert torch.equal(torch.compile(lin, backend=aot_autograd(fw_compiler=record), fullgraph=True)(x), eager)
-    assert [op for op in ops if op.startswith("hf_aoq.")] == ["hf_aoq.nvfp4_linear_io_cpu.default"], ops
+    return [op for op in ops if op.startswith("hf_aoq.")]
 
 
 @needs_ext
@@ -150,23 +157,13 @@ def test_torch_compile_agrees_with_eager_and_sees_one_custom_op(rows):
                                         (80, ["hf_aoq.nvfp4_fake_quantize_cpu.default",
                                               "hf_aoq.nvfp4_dequantize_cpu.default"])])
 def test_torch_compile_runs_the_dynamic_activation_kernels_as_opaque_ops(rows, want):
-    from torch._dynamo.backends.common import aot_autograd
-
     lin = torch.nn.Linear(96, 40, bias=True).to(torch.bfloat16)
     lin.weight = torch.nn.Parameter(NVFP4Tensor.from_float(torch.randn(40, 96, dtype=torch.bfloat16), "nvfp4"),
                                     requires_grad=False)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
-    ops = []
-
-    def record(gm, inputs):
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
-
     with torch.no_grad():
         eager = lin(x)
-        torch._dynamo.reset()
-        assert torch.equal(torch.compile(lin, backend=aot_autograd(fw_compiler=record), fullgraph=True)(x), eager)
-    assert [op for op in ops if op.startswith("hf_aoq.")] == want, ops
+    assert compiled_hf_aoq_ops(lin, x, eager) == want
 
 
 def test_without_the_extension_the_reference_runs_eager_and_compiled():
