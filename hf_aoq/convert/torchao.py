@@ -120,8 +120,8 @@ class ConversionSummary:
 
 def _weight_2d(r: Record, shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) != 2:
-        raise r.fail(f"shape {shape} is not 2-D; hf_aoq's tensor types hold 2-D weights "
-                     f"(3-D MoE weights are not converted)")
+        raise r.fail(f"shape {shape} is not 2-D; this converter maps torchao's 2-D layouts of this type "
+                     f"only (3-D MoE weights are not converted)")
     return shape
 
 
