@@ -12,6 +12,12 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # activation dtypes the
 ALIGNMENT = 64  # bytes: what aten's CPU kernels assume of their operands (a fresh allocation's)
 
 
+def rows(x: torch.Tensor) -> int:
+    """The rows of an activation [..., K]: the product of its leading dims (0 when K is 0)."""
+    k = x.shape[-1]
+    return x.numel() // k if k else 0
+
+
 def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
     """`t` if it is contiguous and starts on an ALIGNMENT boundary, else such a copy. Tensors read
     from a file view its bytes at whatever offset they have; aten's int8 CPU kernel crashes on

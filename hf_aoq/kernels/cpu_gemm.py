@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .common import rows as _rows
 from . import cpu_ext, cpu_isa
 from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features, _per_row
 from .registry import capability, opaque_op, register_kernel
@@ -39,11 +40,6 @@ BF16_GEMM_AMX = capability("cpu:bf16_gemm_amx", "cpu", lambda device: cpu_isa.bf
 # Against the tiled int8/float8 GEMVs (4 x 6 register tiles, kernels/cpu.py): 2.9-3.7 at 8 rows,
 # 2.5 at 16, 1.1-1.15 at 32, 0.88-0.9 at 48, so they start at 40 (the GEMVs' limit there).
 MIN_ROWS = {"int4": 96, "int8": 40, "fp8": 40}
-
-
-def _rows(x) -> int:
-    k = x.shape[-1]
-    return x.numel() // k if k else 0
 
 
 def _many_bf16_rows(fmt):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .common import FLOATS
+from .common import FLOATS, rows as _rows
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .registry import opaque_op, register_kernel
 
@@ -55,10 +55,6 @@ def mx_quantize(x: torch.Tensor, elem_dtype: torch.dtype) -> tuple[torch.Tensor,
     mx_quantize, bit for bit (what the fast paths quantize activations with)."""
     qdata, scale = cpu_ext.load().mx_quantize_rows(x, KIND[elem_dtype])
     return qdata, scale
-
-
-def _rows(x) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def _mx_applies(x, w) -> bool:

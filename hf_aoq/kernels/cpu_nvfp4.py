@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .common import FLOATS
+from .common import FLOATS, rows as _rows
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .registry import opaque_op, register_kernel
 
@@ -34,8 +34,9 @@ NVFP4_GEMV_MAX_ROWS = 32
 # Batch 1 against int4 g32 (Int4WeightOnlyConfig(32), hf_aoq's int4 kernel) and MXFP4's GEMV,
 # 2048x5632 bf16, 1 thread, 100 interleaved rounds (scripts/bench_kernels.py) on the shared
 # AVX-512 machine (load about 5 on 2 vCPUs): NVFP4 GEMV best 0.69 ms, median 0.97; int4 g32 best
-# 0.93, median 1.27; MXFP4 GEMV best 0.62, median 0.91 (dense bf16 1.45 / 1.71). Issue 17's target
-# (at least as fast as int4 g32) is met, by about 1.3x. (The previous NVFP4 loop, one weight row at
+# 0.93, median 1.27; MXFP4 GEMV best 0.62, median 0.91 (dense bf16 1.45 / 1.71). After the int4
+# kernels' 512-bit step and this GEMV's row prefetch (mx_common.h), two later runs (medians as
+# fractions of dense bf16's time): NVFP4 0.42-0.43, int4 g32 0.435-0.437, MXFP4 0.37-0.38. (The previous NVFP4 loop, one weight row at
 # a time with the e4m3 scales decoded in registers per chunk: 1.46 ms against int4 g32's 1.13.)
 ACT_QUANT = ("nvfp4",)  # NVFP4Tensor's act_quant values these kernels take (None: weight-only)
 
@@ -71,10 +72,6 @@ def nvfp4_quantize(x: torch.Tensor, per_tensor_scale: torch.Tensor) -> tuple[tor
     computed in C++: tensors/nvfp4.py's nvfp4_quantize, bit for bit."""
     qdata, scale = cpu_ext.load().nvfp4_quantize_rows(x, per_tensor_scale)
     return qdata, scale
-
-
-def _rows(x) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def _nvfp4_applies(x, w) -> bool:

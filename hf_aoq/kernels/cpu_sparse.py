@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .common import FLOATS
+from .common import FLOATS, rows as _rows
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .registry import opaque_op, register_kernel
 
@@ -52,11 +52,6 @@ def fp8_sparse_dequantize(
     qdata: torch.Tensor, positions: torch.Tensor, scale: torch.Tensor, k: int, dtype: torch.dtype
 ) -> torch.Tensor:
     return cpu_ext.load().fp8_sparse_dequantize(qdata, positions, scale, k, dtype)
-
-
-def _rows(x) -> int:
-    k = x.shape[-1]
-    return x.numel() // k if k else 0
 
 
 def _plain_2d(x, w) -> bool:

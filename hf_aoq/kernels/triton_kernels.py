@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .common import FLOATS, quantize_int8_per_token
+from .common import FLOATS, quantize_int8_per_token, rows as _rows
 from .registry import capability, capable, opaque_op, register_kernel
 
 
@@ -39,11 +39,6 @@ TRITON = capability("cuda:triton", "cuda", _triton_runs)
 TRITON_GEMV_MAX_ROWS = 8  # above this, the GEMM (int4, Int4DQ) or the reference (int8, float8)
 TRITON_GEMM_MAX_ROWS = 64  # above this, one dequantization and cuBLAS
 TENSOR_CORE_FLOATS = (torch.bfloat16, torch.float16)
-
-
-def _rows(x) -> int:
-    k = x.shape[-1]
-    return x.numel() // k if k else 0
 
 
 def _gemv_rows(x, w) -> bool:
