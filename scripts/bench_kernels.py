@@ -10,6 +10,13 @@ float32 measured in the same rounds: compare ratios, not milliseconds, across ru
     .venv/bin/python scripts/bench_kernels.py --shape 5632x2048 --rows 1,4,16,64 --rounds 20
     .venv/bin/python scripts/bench_kernels.py --threads 1
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_kernels.py
+    .venv/bin/python scripts/bench_kernels.py --rows 1 --copies 32   # weights read from DRAM
+
+One weight of a few MB stays in the last-level cache between calls (the AVX-512 VM's L3 is
+480 MiB), so by default this measures the kernels on cached weights. A model's decode step reads
+each weight once per token, from DRAM. `--copies N` builds N copies of every weight and each
+timing is the mean over one call on each copy, with every other candidate's copies read in
+between: choose N so that N times a bf16 weight is well above the L3.
 
 On a machine shared with other busy processes, OpenMP's default spin-waiting makes every
 parallel region wait on descheduled threads: with two threads, a decode step measured 5x
@@ -143,21 +150,25 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
     return out
 
 
-def run(n, k, m, dtype, rounds, only=()):
-    cands = [(name, f) for name, f in candidates(n, k, m, dtype)
-             if not only or name.startswith("dense") or any(o in name for o in only)]
-    times = {name: [] for name, _ in cands}
+def run(n, k, m, dtype, rounds, only=(), copies=1):
+    sets = [[(name, f) for name, f in candidates(n, k, m, dtype)
+             if not only or name.startswith("dense") or any(o in name for o in only)] for _ in range(copies)]
+    names = [name for name, _ in sets[0]]
+    times = {name: [] for name in names}
     with torch.inference_mode():
-        for _, f in cands:  # warm-up (and any one-time build)
-            f()
-        for _ in range(rounds):
-            for name, f in cands:
-                start = time.perf_counter()
+        for cands in sets:  # warm-up (and any one-time build)
+            for _, f in cands:
                 f()
-                times[name].append(time.perf_counter() - start)
+        for _ in range(rounds):
+            for i, name in enumerate(names):
+                start = time.perf_counter()
+                for cands in sets:
+                    cands[i][1]()
+                times[name].append((time.perf_counter() - start) / copies)
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    where = f", {copies} copies of each weight (from DRAM)" if copies > 1 else ""
     print(f"\n### weight {n}x{k}, {m} rows, {str(dtype)[6:]} activations, {rounds} rounds, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads{where}")
     print("| kernel | median ms | best ms | ×dense bf16 | ×dense fp32 |")
     print("| --- | --- | --- | --- | --- |")
     for name, t in times.items():
@@ -172,6 +183,8 @@ def main():
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--copies", type=int, default=1,
+                   help="copies of every weight, read in turn, so that they come from DRAM rather than the cache")
     p.add_argument("--only", default="", help="comma-separated substrings: time only the kernels named so (and dense)")
     a = p.parse_args()
     if a.threads:
@@ -184,7 +197,7 @@ def main():
         for m in (int(r) for r in a.rows.split(",")):
             for dt in a.dtypes.split(","):
                 run(n, k, m, getattr(torch, dt), max(3, a.rounds if m <= 16 else a.rounds // 3),
-                    tuple(o for o in a.only.split(",") if o))
+                    tuple(o for o in a.only.split(",") if o), max(1, a.copies))
 
 
 if __name__ == "__main__":

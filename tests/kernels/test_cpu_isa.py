@@ -156,6 +156,9 @@ w2 = torch.randn(112, 160) * 0.05
 weights.update({f"int4 g32 112 {str(dt)[6:]}": Int4Tensor.from_float(w2.to(dt), 32).place()
                 for dt in (torch.float32, torch.bfloat16, torch.float16)})
 weights["int4dq g32 112"] = Int4DQTensor.from_float(w2, 32).place()
+# 100 rows (the batch-1 int8/fp8 GEMVs' eight-row blocks and a block of four), K = 200 (a column tail).
+w3 = torch.randn(100, 200) * 0.05
+weights.update({"int8 100x200": Int8Tensor.from_float(w3), "fp8 100x200": Float8Tensor.from_float(w3)})
 out, kernels = {}, {}
 for rows in (1, 2, 3, 4, 5, 8, 12):  # below the bf16-GEMM rows (which the reference test covers)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

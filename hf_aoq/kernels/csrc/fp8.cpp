@@ -92,11 +92,12 @@ inline void fp8_row_dots(const uint8_t* row, const float* xp, int64_t K, int s, 
   }
 }
 
-// One activation row against four weight rows (dot_rows4 in simd.h): acc gets the four
+// One activation row against NR weight rows from n on (dot_rows in simd.h): acc gets the NR
 // bit-trick-scaled dot products.
-inline void fp8_dot4(const uint8_t* r0, const float* x, int64_t K, int s, float* acc) {
-  dot_rows4(x, r0, K, [s](const uint8_t* p) { return codes_to_scaled_floats(p, s); },
-            [s](uint8_t c) { return code_to_scaled_float(c, s); }, acc);
+template <int NR>
+inline void fp8_rows(const uint8_t* codes, const float* x, int64_t K, int64_t n, int s, float* acc) {
+  dot_rows<NR>(x, codes + n * K, K, [s](const uint8_t* p) { return codes_to_scaled_lanes(p, s); },
+               [s](uint8_t c) { return code_to_scaled_float(c, s); }, acc);
 }
 #endif
 
@@ -167,10 +168,14 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
     constexpr int64_t MB = 4;  // activation rows per pass over a weight row
     int64_t n = n0;
 #if defined(__AVX2__)
-    if (M == 1) {  // four weight rows at a time
+    if (M == 1) {  // eight weight rows at a time, then four (the same value for a row either way)
+      float acc[8];
+      for (; n + 8 <= n1; n += 8) {
+        fp8_rows<8>(cp, xp, K, n, s, acc);
+        for (int j = 0; j < 8; ++j) op[n + j] = (acc[j] * half_factor) * (sp[n + j] * half_factor);
+      }
       for (; n + 4 <= n1; n += 4) {
-        float acc[4];
-        fp8_dot4(cp + n * K, xp, K, s, acc);
+        fp8_rows<4>(cp, xp, K, n, s, acc);
         for (int j = 0; j < 4; ++j) op[n + j] = (acc[j] * half_factor) * (sp[n + j] * half_factor);
       }
     }

@@ -16,36 +16,39 @@
 namespace {
 
 #if defined(__AVX2__)
-inline __m256 int8x8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // The float32 values of the kLanes codes at p (simd.h).
 inline vfloat int8_lanes(const int8_t* p) {
 #if defined(__AVX512F__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #else
-  return {int8x8(p), int8x8(p + 8)};
+  const auto x8 = [](const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  };
+  return {x8(p), x8(p + 8)};
 #endif
 }
 
-// One activation row against weight rows n..n+3 (dot_rows4 in simd.h).
-inline void int8_dot4(const float* x, const int8_t* q, int64_t K, int64_t n, float* out) {
-  dot_rows4(x, q + n * K, K, [](const int8_t* p) { return int8x8(p); }, [](int8_t c) { return float(c); }, out);
+// One activation row against NR weight rows from n on (dot_rows in simd.h), scaled into y.
+template <int NR>
+inline void int8_rows(const float* x, const int8_t* q, const float* scale, int64_t K, int64_t n, float* y) {
+  float d[NR];
+  dot_rows<NR>(x, q + n * K, K, [](const int8_t* p) { return int8_lanes(p); }, [](int8_t c) { return float(c); }, d);
+  for (int j = 0; j < NR; ++j) y[n + j] = d[j] * scale[n + j];
 }
 #endif
 
-// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row four weight rows at a time,
+// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row eight weight rows at a time,
 // more rows in tiles of four weight rows by several activation rows (each weight byte read once
 // per tile of activation rows); without AVX2, one row at a time.
 void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX2__)
-  if (M == 1 && N % 4 == 0) {
-    at::parallel_for(0, N / 4, 4, [&](int64_t b0, int64_t b1) {
-      float d[4];
+  if (M == 1 && N % 4 == 0) {  // eight weight rows at a time, the last four alone when N % 8 == 4
+    at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        int8_dot4(x, q, K, 4 * b, d);
-        for (int j = 0; j < 4; ++j) y[4 * b + j] = d[j] * scale[4 * b + j];
+        if (8 * b + 8 <= N)
+          int8_rows<8>(x, q, scale, K, 8 * b, y);
+        else
+          int8_rows<4>(x, q, scale, K, 8 * b, y);
       }
     });
     return;
