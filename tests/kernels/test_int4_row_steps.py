@@ -105,3 +105,37 @@ def test_f_linear_at_decode_rows_against_the_reference(fmt, dtype):
         exact = x.double() @ w.double().t() + bias.double()
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert rel_err(exact, y) < tol, m
+
+
+# Row counts whose steps the two threads split unevenly (272 rows: four 64-row steps and a unit
+# holding a 16-row tail, 3 + 2) or evenly with a tail (336: five steps and a tail, 3 + 3); a
+# single group (K = 32: the parameter prefetch, kInt4ParamPrefetch groups ahead, wraps past the
+# next steps and past the tensor's end) and a few groups of 128 (the code prefetch, 2 KB ahead,
+# runs past each step's streams and the tensor's end).
+SPLITS = ((272, 32, 32), (336, 96, 32), (80, 384, 128), (272, 256, 128))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k,g", SPLITS)
+def test_two_threads_and_the_prefetch_change_no_bit(fmt, n, k, g):
+    """The row steps split between two threads give the one-thread outputs bit for bit (each
+    output's sum is computed by one thread, in one order), at the decode rows and a batch, and
+    both match the definition near the tensor's end, where the prefetches point past it."""
+    if fmt == "int4dq":
+        g = min(g, 64)  # its largest group
+    torch.manual_seed(n + k + g)
+    q = quantize(fmt, torch.randn(n, k) * 0.05, g)
+    w = q.dequantize(torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        for m in (1, 3, 4, 16):
+            x = torch.randn(m, k).bfloat16().float()
+            torch.set_num_threads(1)
+            one = int16_linear(q, x)
+            torch.set_num_threads(2)
+            two = int16_linear(q, x)
+            assert torch.equal(one, two), m
+            expected, _ = int16_activation_linear(x, w, g)
+            assert rel_err(expected, two) < 1e-6, m
+    finally:
+        torch.set_num_threads(threads)

@@ -246,10 +246,12 @@ constexpr int64_t kMaxInt16Group = 4096;
 // acc[i][t] (int32, rows 8t..8t+7) = sum over column pairs [j0, j1) of a full block of the
 // int4 codes times activation row ms[i]'s int16 codes. One row: two column pairs per iteration,
 // their products added before the accumulator (5-11% faster than accumulating each); two rows:
-// one pair.
+// one pair. pf: prefetch the codes ahead (int4_pairs512.h's kInt4Prefetch; the first of the
+// activation rows that read these codes).
 template <int MB>
 __attribute__((always_inline)) inline void int4_group_isums(const uint8_t* blk, const Int16Rows& xq, const int64_t* ms,
-                                                            int64_t K, int64_t j0, int64_t j1, __m256i (*acc)[4]) {
+                                                            int64_t K, int64_t j0, int64_t j1, __m256i (*acc)[4],
+                                                            bool pf) {
   const __m256i m4 = _mm256_set1_epi16(15);
   __m256i a[MB][4];
   for (int i = 0; i < MB; ++i)
@@ -268,6 +270,7 @@ __attribute__((always_inline)) inline void int4_group_isums(const uint8_t* blk, 
     for (int t = 0; t < 4; ++t) b[t] = _mm256_setzero_si256();
 #endif
     for (; j + 2 <= j1; j += 2) {
+      int4_prefetch(blk + j * 32 + kInt4Prefetch);
       __m256i q[4], r[4];
       codes(blk + j * 32, q);
       codes(blk + j * 32 + 32, r);
@@ -287,6 +290,7 @@ __attribute__((always_inline)) inline void int4_group_isums(const uint8_t* blk, 
 #endif
   }
   for (; j < j1; ++j) {
+    if (pf && (j & 1) == 0) int4_prefetch(blk + j * 32 + kInt4Prefetch);  // a 64-byte line per two pairs
     __m256i q[4];
     codes(blk + j * 32, q);
     for (int i = 0; i < MB; ++i) {
@@ -343,8 +347,9 @@ void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, f
           __m256 o[4];
           for (int t = 0; t < 4; ++t) o[t] = _mm256_setzero_ps();
           for (int64_t g = 0; g < G; ++g) {
+            int4_prefetch_params(params, G, g, n0, BLOCK_N);
             __m256i acc[1][4];
-            int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc);
+            int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc, true);
             params(g, n0, BLOCK_N, s, z);
             int4_epilogue16<P>(s, z, xq.sx[g], xq.xs[g], acc[0], o);
           }
@@ -353,13 +358,14 @@ void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, f
         }
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g = 0; g < G; ++g) {
+          int4_prefetch_params(params, G, g, n0, BLOCK_N);
           params(g, n0, BLOCK_N, s, z);
           for (int64_t m0 = 0; m0 < M; m0 += 2) {
             const int mb = static_cast<int>(std::min<int64_t>(2, M - m0));
             const int64_t ms[2] = {m0, m0 + mb - 1};
             __m256i acc[2][4];
-            if (mb == 2) int4_group_isums<2>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc);
-            else int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc);
+            if (mb == 2) int4_group_isums<2>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc, m0 == 0);
+            else int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc, m0 == 0);
             for (int i = 0; i < mb; ++i) {
               float* op = out.data() + (m0 + i) * BLOCK_N;
               __m256 o[4];

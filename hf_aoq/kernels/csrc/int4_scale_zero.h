@@ -58,6 +58,11 @@ struct ScaleZeroParams {
       z[r] = static_cast<float>(p[2 * r + 1]);
     }
   }
+  // Brings group g's scale and zero of rows n0..n0+63 towards the core (int4_prefetch_params).
+  void prefetch64(int64_t g, int64_t n0) const {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(sz + (g * N + n0) * 2);
+    for (int64_t i = 0; i < int64_t(128 * sizeof(T)); i += 64) int4_prefetch(p + i);
+  }
 #if HF_AOQ_INT4_512
   // Scale and zero of rows n0..n0+63 in int4_pairs512.h's 64-row lane order: vector t holds rows
   // n0 + 8t.. (lanes 0-7) and n0 + 32 + 8t.. (lanes 8-15).

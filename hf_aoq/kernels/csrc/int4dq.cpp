@@ -82,6 +82,8 @@ struct DQParams {
       c[r] = l1[r] + b * s1[r];
     }
   }
+  // Brings group g's parameter bytes of rows n0..n0+63 towards the core (int4_prefetch_params).
+  void prefetch64(int64_t g, int64_t n0) const { int4_prefetch(gp + g * N + n0); }
 #if HF_AOQ_INT4_512
   // d and c of rows n0..n0+63 (n0 a multiple of 64) in the 64-row lane order, by the same
   // multiply and add.
