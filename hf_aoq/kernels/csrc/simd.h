@@ -91,14 +91,20 @@ constexpr int kTileRows = 1;
 // once for the four weight rows, so the weight is read once per MB activation rows. widen(p)
 // gives the float32 values of the kLanes codes at p, widen1(c) of one code. out[i * 4 + j] gets
 // the dot product of activation row i with weight row j, accumulated in float32.
-template <int MB, typename T, class Widen, class Widen1>
+// With Prefetch (one-byte codes read from the weight itself, not a widened buffer), each weight
+// row's stream is prefetched kRowPrefetchBytes ahead, as in dot_rows.
+template <int MB, bool Prefetch = false, typename T, class Widen, class Widen1>
 inline void dot_tile4(const float* x, int64_t ldx, const T* const* w, int64_t K, const Widen& widen,
                       const Widen1& widen1, float* out) {
+  static_assert(!Prefetch || sizeof(T) == 1, "dot_tile4 prefetches by bytes: one-byte codes");
   vfloat acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
+    if (Prefetch && (k & 63) == 0)
+      for (int j = 0; j < 4; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + k + kRowPrefetchBytes), _MM_HINT_T0);
     const vfloat w0 = widen(w[0] + k), w1 = widen(w[1] + k), w2 = widen(w[2] + k), w3 = widen(w[3] + k);
     for (int i = 0; i < MB; ++i) {
       const vfloat xv = vload(x + i * ldx + k);
@@ -118,18 +124,18 @@ inline void dot_tile4(const float* x, int64_t ldx, const T* const* w, int64_t K,
 }
 
 // One tile of mb (1..kTileRows) activation rows: dot_tile4 with the row count as a constant.
-template <typename T, class Widen, class Widen1>
+template <bool Prefetch = false, typename T, class Widen, class Widen1>
 inline void dot_tile4_rows(int mb, const float* x, int64_t ldx, const T* const* w, int64_t K, const Widen& widen,
                            const Widen1& widen1, float* out) {
   switch (mb) {
-    case 1: dot_tile4<1>(x, ldx, w, K, widen, widen1, out); break;
+    case 1: dot_tile4<1, Prefetch>(x, ldx, w, K, widen, widen1, out); break;
 #if defined(__AVX512F__)
-    case 2: dot_tile4<2>(x, ldx, w, K, widen, widen1, out); break;
-    case 3: dot_tile4<3>(x, ldx, w, K, widen, widen1, out); break;
-    case 4: dot_tile4<4>(x, ldx, w, K, widen, widen1, out); break;
-    case 5: dot_tile4<5>(x, ldx, w, K, widen, widen1, out); break;
+    case 2: dot_tile4<2, Prefetch>(x, ldx, w, K, widen, widen1, out); break;
+    case 3: dot_tile4<3, Prefetch>(x, ldx, w, K, widen, widen1, out); break;
+    case 4: dot_tile4<4, Prefetch>(x, ldx, w, K, widen, widen1, out); break;
+    case 5: dot_tile4<5, Prefetch>(x, ldx, w, K, widen, widen1, out); break;
 #endif
-    default: dot_tile4<kTileRows>(x, ldx, w, K, widen, widen1, out); break;
+    default: dot_tile4<kTileRows, Prefetch>(x, ldx, w, K, widen, widen1, out); break;
   }
 }
 
@@ -158,7 +164,8 @@ inline void tiled_dots(const float* x, const T* q, int64_t M, int64_t N, int64_t
     if (M <= kTileRows) {  // one tile, widening in registers; the same chunked sums
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const T* wk[4] = {w[0] + k0, w[1] + k0, w[2] + k0, w[3] + k0};
-        dot_tile4_rows(static_cast<int>(M), x + k0, K, wk, std::min<int64_t>(kChunk, K - k0), widen, widen1, d);
+        dot_tile4_rows<sizeof(T) == 1>(static_cast<int>(M), x + k0, K, wk, std::min<int64_t>(kChunk, K - k0), widen,
+                                       widen1, d);
         for (int64_t i = 0; i < M * 4; ++i) sums[i] += d[i];
       }
       for (int i = 0; i < M; ++i)
