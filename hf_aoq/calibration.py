@@ -82,6 +82,7 @@ def quantize_with_calibration(
     damping: float = 0.01,
     log: Callable[[str], None] | None = None,
     method: str = "gptq",
+    act_order: bool = False,
 ) -> CalibrationReport:
     """Quantize `model` in place like `quantize_(model, config, filter_fn)`, choosing every
     GPTQ_CONFIGS weight of a linear layer by GPTQ on `batches` (token id tensors [B, T] that `model(ids)`
@@ -95,10 +96,12 @@ def quantize_with_calibration(
     Linears inside numbered blocks (`<prefix>.<i>.`, e.g. `model.layers.3.mlp.up_proj`) are done
     block by block: the inputs of block 0 are recorded once, and each block then runs on the
     outputs of the block before it, already quantized. Other calibrated linears are calibrated on a
-    full forward pass at the end."""
+    full forward pass at the end. `act_order`: GPTQ takes each weight's columns in descending
+    order of their input energy (hf_aoq.gptq.gptq_sweep); the groups and tensor types stay."""
     if method != "gptq":
         return _scale_method(method)(model, config, batches, filter_fn=filter_fn, log=log)
-    return quantize_planned(model, plan(model, config, filter_fn=filter_fn), batches, damping=damping, log=log)
+    return quantize_planned(model, plan(model, config, filter_fn=filter_fn), batches, damping=damping,
+                            act_order=act_order, log=log)
 
 
 def quantize_planned(
@@ -108,12 +111,15 @@ def quantize_planned(
     *,
     calibrate: Iterable[str] | None = None,
     damping: float = 0.01,
+    act_order: bool | Iterable[str] = False,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationReport:
     """Carry out `decisions` (a plan of hf_aoq.quantize.plan) on `model` in place, the weights of
     GPTQ_CONFIGS that linears read chosen by GPTQ on `batches`, block by block (see
     quantize_with_calibration). `calibrate`: only these weight names are calibrated (None: all
-    that can be); the rest are quantized as quantize_ would."""
+    that can be); the rest are quantized as quantize_ would. `act_order`: GPTQ takes the columns
+    in act order (hf_aoq.gptq.gptq_sweep) for every calibrated weight (True) or for these weight
+    names."""
     batches = [b if b.ndim == 2 else b.unsqueeze(0) for b in batches]
     if not batches:
         raise AOQError("calibration needs at least one batch of token ids")
@@ -123,6 +129,8 @@ def quantize_planned(
     batches = [b.to(device) for b in batches]
     decisions = with_activation_scales(model, decisions, batches)  # on the float model, before any change
     targets = _gptq_linears(model, decisions, None if calibrate is None else set(calibrate))
+    in_act_order = (lambda n: act_order) if isinstance(act_order, bool) else (
+        lambda n, names=frozenset(act_order): f"{n}.weight" in names)
 
     blocks: dict[str, dict[int, list[str]]] = {}
     rest = []
@@ -141,7 +149,7 @@ def quantize_planned(
                 names = by_index.get(i, [])
                 if names:
                     grams = _grams(targets, names, lambda: [layers[i](*a, **k) for a, k in inputs])
-                    _quantize_from_grams(model, targets, names, grams, damping, report)
+                    _quantize_from_grams(model, targets, names, grams, damping, in_act_order, report)
                     if log is not None:
                         log(f"calibrated {prefix}.{i} ({len(names)} weights)")
                 if i + 1 < len(layers):
@@ -149,7 +157,7 @@ def quantize_planned(
             del inputs
         if rest:
             grams = _grams(targets, rest, lambda: [model(ids) for ids in batches])
-            _quantize_from_grams(model, targets, rest, grams, damping, report)
+            _quantize_from_grams(model, targets, rest, grams, damping, in_act_order, report)
 
     # Everything else in the plan (other configs, weights not only linears read) as quantize_ does.
     carry_out(model, {n: d for n, d in decisions.items() if n.removesuffix(".weight") not in targets})
@@ -257,11 +265,12 @@ def _grams(targets, names, run) -> dict[str, torch.Tensor]:
     return grams
 
 
-def _quantize_from_grams(model, targets, names, grams, damping, report) -> None:
+def _quantize_from_grams(model, targets, names, grams, damping, in_act_order, report) -> None:
     report.gram_bytes_peak = max(report.gram_bytes_peak, sum(g.numel() * 4 for g in grams.values()))
     for name in names:
         module, decision = targets[name]
-        q = gptq_quantize(module.weight.data, grams.pop(name), decision.config, damping=damping, name=f"{name}.weight")
+        q = gptq_quantize(module.weight.data, grams.pop(name), decision.config, damping=damping,
+                          act_order=in_act_order(name), name=f"{name}.weight")
         set_quantized(model, f"{name}.weight", decision, q)
         report.calibrated.append(name)
     report.layers += 1
