@@ -124,14 +124,16 @@ def hf_aoq_options(calibration):
                                               filter_fn=not_lm_head))
     for qparams in ("minmax", "mse"):
         yield f"hf_aoq int4 g128 {qparams} + calibration (GPTQ)", lambda m, q=qparams: quantize_with_calibration(
-            m, I4(128, qparams=q), calibration, filter_fn=not_lm_head
+            m, I4(128, qparams=q), calibration, filter_fn=not_lm_head, act_order=False
         )
+    yield "hf_aoq int4 g128 mse + calibration (GPTQ, act order)", lambda m: quantize_with_calibration(
+        m, I4(128), calibration, filter_fn=not_lm_head, act_order=True)
     # GPTQ (hf_aoq.gptq) beyond Int4: the Int4DQ default, and asymmetric int3 at 4.0 and 3.5 bits.
     for label, cfg in (("int4dq g32", hf_aoq.Int4DQWeightOnlyConfig(32)),
                        ("intx int3 g32 asymmetric", Ix(torch.int3, hf_aoq.PerGroup(32), "asymmetric")),
                        ("intx int3 g64 asymmetric", Ix(torch.int3, hf_aoq.PerGroup(64), "asymmetric"))):
         yield f"hf_aoq {label} + calibration (GPTQ)", lambda m, c=cfg: quantize_with_calibration(
-            m, c, calibration, filter_fn=not_lm_head)
+            m, c, calibration, filter_fn=not_lm_head, act_order=False)
         yield f"hf_aoq {label} + calibration (GPTQ, act order)", lambda m, c=cfg: quantize_with_calibration(
             m, c, calibration, filter_fn=not_lm_head, act_order=True)
     # Activation-aware scales (hf_aoq.awq), folded into the blocks: the same tensors and sizes.
