@@ -6,6 +6,9 @@ inputs of its linears (so each block sees the blocks before it already quantized
 is quantized by GPTQ from the Gram matrix of its inputs (H = X^T X, K x K, float32), and the
 quantized block runs once more to make the next block's inputs. Memory is the float model, the
 block inputs and one block's Gram matrices; time is about two forward passes plus the GPTQ sweeps.
+GPTQ takes each weight's columns in act order (by descending input energy) unless `act_order=False`
+asks for left to right (SmolLM2, bf16 30.99: int4 g128 mse 35.85 against 39.14, Int4DQ g32 31.12
+against 31.94).
 The weights are exactly what their config's tensor type stores (same format, same kernels).
 
 Weights of hf_aoq.gptq.GPTQ_CONFIGS (Int4WeightOnlyConfig, IntxWeightOnlyConfig,
@@ -82,7 +85,7 @@ def quantize_with_calibration(
     damping: float = 0.01,
     log: Callable[[str], None] | None = None,
     method: str = "gptq",
-    act_order: bool = False,
+    act_order: bool = True,
 ) -> CalibrationReport:
     """Quantize `model` in place like `quantize_(model, config, filter_fn)`, choosing every
     GPTQ_CONFIGS weight of a linear layer by GPTQ on `batches` (token id tensors [B, T] that `model(ids)`
@@ -96,8 +99,10 @@ def quantize_with_calibration(
     Linears inside numbered blocks (`<prefix>.<i>.`, e.g. `model.layers.3.mlp.up_proj`) are done
     block by block: the inputs of block 0 are recorded once, and each block then runs on the
     outputs of the block before it, already quantized. Other calibrated linears are calibrated on a
-    full forward pass at the end. `act_order`: GPTQ takes each weight's columns in descending
-    order of their input energy (hf_aoq.gptq.gptq_sweep); the groups and tensor types stay."""
+    full forward pass at the end. `act_order` (default True): GPTQ takes each weight's columns in
+    descending order of their input energy (hf_aoq.gptq.gptq_sweep); the groups and tensor types
+    stay. False: left to right, what it did before (on SmolLM2, worse: Int4DQ g32 31.94 against
+    31.12 in act order, bf16 30.99)."""
     if method != "gptq":
         return _scale_method(method)(model, config, batches, filter_fn=filter_fn, log=log)
     return quantize_planned(model, plan(model, config, filter_fn=filter_fn), batches, damping=damping,
@@ -111,15 +116,15 @@ def quantize_planned(
     *,
     calibrate: Iterable[str] | None = None,
     damping: float = 0.01,
-    act_order: bool | Iterable[str] = False,
+    act_order: bool | Iterable[str] = True,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationReport:
     """Carry out `decisions` (a plan of hf_aoq.quantize.plan) on `model` in place, the weights of
     GPTQ_CONFIGS that linears read chosen by GPTQ on `batches`, block by block (see
     quantize_with_calibration). `calibrate`: only these weight names are calibrated (None: all
     that can be); the rest are quantized as quantize_ would. `act_order`: GPTQ takes the columns
-    in act order (hf_aoq.gptq.gptq_sweep) for every calibrated weight (True) or for these weight
-    names."""
+    in act order (hf_aoq.gptq.gptq_sweep) for every calibrated weight (True, the default), for
+    none (False: left to right) or for these weight names."""
     batches = [b if b.ndim == 2 else b.unsqueeze(0) for b in batches]
     if not batches:
         raise AOQError("calibration needs at least one batch of token ids")
