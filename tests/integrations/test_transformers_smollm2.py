@@ -105,7 +105,9 @@ def test_int4_g32_matches_the_gguf_grid(checkpoint):
 
 def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
     """min/max +68.4%, MSE search (the default) +52.8%, GPTQ on 1,024 other tokens of the same
-    text +51.6%: each ceiling a little above its measurement, and each better than the last."""
+    text +51.6% left to right when first measured: each ceiling a little above its measurement,
+    and each better than the last. Measured again with GPTQ in act order, calibration's default
+    now: 31.10 (+22.1%, bf16 25.47), left to right 32.91 (+29.2%) in the same run."""
     path, ids, baseline = checkpoint
     minmax = perplexity(load_quantized(path, Int4WeightOnlyConfig(128, qparams="minmax")), ids)
     assert minmax <= baseline * 1.71
@@ -126,6 +128,7 @@ def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
     calibrated = perplexity(model, ids)
     assert calibrated <= baseline * 1.54
     assert calibrated < default
+    assert calibrated <= baseline * 1.25  # act order, the default (left to right: 1.29x)
 
 
 def test_int4dq_perplexity_at_the_int4_g128_size(checkpoint, tmp_path):
