@@ -6,6 +6,9 @@ inputs of its linears (so each block sees the blocks before it already quantized
 is quantized by GPTQ from the Gram matrix of its inputs (H = X^T X, K x K, float32), and the
 quantized block runs once more to make the next block's inputs. Memory is the float model, the
 block inputs and one block's Gram matrices; time is about two forward passes plus the GPTQ sweeps.
+GPTQ takes each weight's columns in act order (by descending input energy) unless `act_order=False`
+asks for left to right (SmolLM2, bf16 30.99: int4 g128 mse 35.85 against 39.14, Int4DQ g32 31.12
+against 31.94).
 The weights are exactly what their config's tensor type stores (same format, same kernels).
 
 Weights of hf_aoq.gptq.GPTQ_CONFIGS (Int4WeightOnlyConfig, IntxWeightOnlyConfig,
@@ -82,6 +85,7 @@ def quantize_with_calibration(
     damping: float = 0.01,
     log: Callable[[str], None] | None = None,
     method: str = "gptq",
+    act_order: bool = True,
 ) -> CalibrationReport:
     """Quantize `model` in place like `quantize_(model, config, filter_fn)`, choosing every
     GPTQ_CONFIGS weight of a linear layer by GPTQ on `batches` (token id tensors [B, T] that `model(ids)`
@@ -95,10 +99,14 @@ def quantize_with_calibration(
     Linears inside numbered blocks (`<prefix>.<i>.`, e.g. `model.layers.3.mlp.up_proj`) are done
     block by block: the inputs of block 0 are recorded once, and each block then runs on the
     outputs of the block before it, already quantized. Other calibrated linears are calibrated on a
-    full forward pass at the end."""
+    full forward pass at the end. `act_order` (default True): GPTQ takes each weight's columns in
+    descending order of their input energy (hf_aoq.gptq.gptq_sweep); the groups and tensor types
+    stay. False: left to right, what it did before (on SmolLM2, worse: Int4DQ g32 31.94 against
+    31.12 in act order, bf16 30.99)."""
     if method != "gptq":
         return _scale_method(method)(model, config, batches, filter_fn=filter_fn, log=log)
-    return quantize_planned(model, plan(model, config, filter_fn=filter_fn), batches, damping=damping, log=log)
+    return quantize_planned(model, plan(model, config, filter_fn=filter_fn), batches, damping=damping,
+                            act_order=act_order, log=log)
 
 
 def quantize_planned(
@@ -108,12 +116,15 @@ def quantize_planned(
     *,
     calibrate: Iterable[str] | None = None,
     damping: float = 0.01,
+    act_order: bool | Iterable[str] = True,
     log: Callable[[str], None] | None = None,
 ) -> CalibrationReport:
     """Carry out `decisions` (a plan of hf_aoq.quantize.plan) on `model` in place, the weights of
     GPTQ_CONFIGS that linears read chosen by GPTQ on `batches`, block by block (see
     quantize_with_calibration). `calibrate`: only these weight names are calibrated (None: all
-    that can be); the rest are quantized as quantize_ would."""
+    that can be); the rest are quantized as quantize_ would. `act_order`: GPTQ takes the columns
+    in act order (hf_aoq.gptq.gptq_sweep) for every calibrated weight (True, the default), for
+    none (False: left to right) or for these weight names."""
     batches = [b if b.ndim == 2 else b.unsqueeze(0) for b in batches]
     if not batches:
         raise AOQError("calibration needs at least one batch of token ids")
@@ -123,6 +134,8 @@ def quantize_planned(
     batches = [b.to(device) for b in batches]
     decisions = with_activation_scales(model, decisions, batches)  # on the float model, before any change
     targets = _gptq_linears(model, decisions, None if calibrate is None else set(calibrate))
+    in_act_order = (lambda n: act_order) if isinstance(act_order, bool) else (
+        lambda n, names=frozenset(act_order): f"{n}.weight" in names)
 
     blocks: dict[str, dict[int, list[str]]] = {}
     rest = []
@@ -141,7 +154,7 @@ def quantize_planned(
                 names = by_index.get(i, [])
                 if names:
                     grams = _grams(targets, names, lambda: [layers[i](*a, **k) for a, k in inputs])
-                    _quantize_from_grams(model, targets, names, grams, damping, report)
+                    _quantize_from_grams(model, targets, names, grams, damping, in_act_order, report)
                     if log is not None:
                         log(f"calibrated {prefix}.{i} ({len(names)} weights)")
                 if i + 1 < len(layers):
@@ -149,7 +162,7 @@ def quantize_planned(
             del inputs
         if rest:
             grams = _grams(targets, rest, lambda: [model(ids) for ids in batches])
-            _quantize_from_grams(model, targets, rest, grams, damping, report)
+            _quantize_from_grams(model, targets, rest, grams, damping, in_act_order, report)
 
     # Everything else in the plan (other configs, weights not only linears read) as quantize_ does.
     carry_out(model, {n: d for n, d in decisions.items() if n.removesuffix(".weight") not in targets})
@@ -257,11 +270,12 @@ def _grams(targets, names, run) -> dict[str, torch.Tensor]:
     return grams
 
 
-def _quantize_from_grams(model, targets, names, grams, damping, report) -> None:
+def _quantize_from_grams(model, targets, names, grams, damping, in_act_order, report) -> None:
     report.gram_bytes_peak = max(report.gram_bytes_peak, sum(g.numel() * 4 for g in grams.values()))
     for name in names:
         module, decision = targets[name]
-        q = gptq_quantize(module.weight.data, grams.pop(name), decision.config, damping=damping, name=f"{name}.weight")
+        q = gptq_quantize(module.weight.data, grams.pop(name), decision.config, damping=damping,
+                          act_order=in_act_order(name), name=f"{name}.weight")
         set_quantized(model, f"{name}.weight", decision, q)
         report.calibrated.append(name)
     report.layers += 1

@@ -3,7 +3,8 @@ weight, named as `hf-aoq analyze --schemes` and `AOQConfig(candidates=...)` take
 
 A candidate is a scheme name of hf_aoq.configs.SCHEMES, optionally with ":g<group size>" and
 "+gptq" ("int3-asym:g32+gptq": its values chosen by GPTQ, hf_aoq.gptq, on the layer's
-calibration inputs), "bf16" (keep float), or a config. GPTQ changes the values only: the
+calibration inputs) or "+gptq-act" (the same, columns in act order: gptq_sweep's `act_order`),
+"bf16" (keep float), or a config. GPTQ changes the values only: the
 candidate's config, and so the recipe a mixed-precision choice emits, is an ordinary one.
 """
 from __future__ import annotations
@@ -19,18 +20,24 @@ from .core.errors import AOQError
 from .core.tensor import AOQTensor
 
 FLOAT_NAMES = ("bf16", "float")  # a candidate that leaves the weight as it is
-CALIBRATIONS = ("gptq",)  # what a candidate's "+<method>" suffix may name
+CALIBRATIONS = ("gptq", "gptq-act")  # what a candidate's "+<method>" suffix may name (-act: act order)
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One way to store a weight: `config` (None: leave it in float), under a short `name`;
     `calibration` "gptq": its values chosen by GPTQ (hf_aoq.gptq) on the layer's calibration
-    inputs (the tensor type, and so the recipe, is the config's own)."""
+    inputs (the tensor type, and so the recipe, is the config's own); "gptq-act": the same with
+    the columns in act order."""
 
     name: str
     config: AOQBaseConfig | None
     calibration: str | None = None
+
+    @property
+    def act_order(self) -> bool:
+        """Whether GPTQ takes this candidate's columns in act order (hf_aoq.gptq.gptq_sweep)."""
+        return self.calibration == "gptq-act"
 
     def __post_init__(self):
         if self.calibration is None:
@@ -47,8 +54,8 @@ class Candidate:
 def parse_candidate(item: "str | AOQBaseConfig | Candidate") -> Candidate:
     """A candidate from a scheme name ("int4", "int8", "int4-plain:g32": a scheme of
     hf_aoq.configs.SCHEMES, optionally with ":g<group size>", optionally with "+gptq": its
-    values chosen by GPTQ, e.g. "int3-asym:g32+gptq"; "bf16": keep float), a config, or a
-    Candidate."""
+    values chosen by GPTQ, e.g. "int3-asym:g32+gptq", or "+gptq-act": GPTQ in act order;
+    "bf16": keep float), a config, or a Candidate."""
     if isinstance(item, Candidate):
         return item
     if isinstance(item, AOQBaseConfig):
@@ -95,7 +102,7 @@ def quantize_candidate(candidate: Candidate, weight: torch.Tensor, *, gram: torc
         raise AOQError(f"{name}: candidate {candidate.name!r} is chosen by GPTQ and needs its linear's input Gram matrix")
     from .gptq import gptq_quantize
 
-    return gptq_quantize(weight, gram, candidate.config, name=name)
+    return gptq_quantize(weight, gram, candidate.config, act_order=candidate.act_order, name=name)
 
 
 def input_grams(model: nn.Module, names: Iterable[str], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -144,6 +144,10 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                    help="what --calibration chooses: gptq (int4-plain weights, default), awq (activation-aware "
                         "scales for int4 and int4-plain), smoothquant (for int8-dyn); awq and smoothquant fold "
                         "per-channel scales into llama-style blocks")
+    p.add_argument("--gptq-order", choices=["act", "sequential"], default=None,
+                   help="the order GPTQ (--calibration) quantizes each weight's columns in: act (default: by "
+                        "descending input energy) or sequential (left to right, what it did before; on SmolLM2 "
+                        "worse); with --bits, each candidate names its own (+gptq: left to right, +gptq-act)")
     p.add_argument("--out", required=out_required, metavar="DIR", help="folder to save the quantized checkpoint in")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the checkpoint in --out: every old file goes, and a failure keeps the old one")
@@ -203,14 +207,16 @@ def quantize_command(args) -> int:
 
         config = build_target_config(args.target, args.model, args.scheme, args.group_size, recipe=args.recipe,
                                      skip=args.skip, calibration=args.calibration,
-                                     calibration_tokens=args.calibration_tokens, load=load)
+                                     calibration_tokens=args.calibration_tokens, load=load,
+                                     gptq_order=getattr(args, "gptq_order", None))
         if getattr(args, "calibration_method", "gptq") != "gptq":
             raise UsageError("--calibration-method awq or smoothquant is not available with --target: "
                              "--target's symmetric int4 is calibrated by GPTQ")
     else:
         config = build_aoq_config(args.scheme, args.group_size, args.recipe, args.skip, args.calibration,
                                   args.calibration_tokens, getattr(args, "calibration_method", "gptq"),
-                                  bits=getattr(args, "bits", None), candidates=getattr(args, "schemes", None))
+                                  bits=getattr(args, "bits", None), candidates=getattr(args, "schemes", None),
+                                  gptq_order=getattr(args, "gptq_order", None))
     if args.max_shard_size is not None:
         parse_size(args.max_shard_size)  # a typo is reported before anything loads
     push = _push_target(args, args.push_to_hub) if args.push_to_hub else None

@@ -48,10 +48,17 @@ GroupQuantizer = Callable[[torch.Tensor, int], RoundColumn]
 
 
 def gptq_sweep(weight: torch.Tensor, gram: torch.Tensor, group_size: int, quantize_group: GroupQuantizer, *,
-               damping: float = 0.01, name: str = "weight") -> torch.Tensor:
+               damping: float = 0.01, act_order: bool = False, name: str = "weight") -> torch.Tensor:
     """The codes (uint8 [N, K]) GPTQ chooses for `weight` [N, K] on inputs whose Gram matrix is
     `gram` [K, K], in groups of `group_size` columns, each group's rounding given by
-    `quantize_group` (see the module docstring)."""
+    `quantize_group` (see the module docstring).
+
+    `act_order`: quantize the columns in descending order of the Gram matrix's diagonal (the
+    inputs with the most energy first, while the most columns are left to absorb their error)
+    instead of left to right. The groups stay the original runs of `group_size` columns, so the
+    tensor type is unchanged; their parameters are chosen first, each from its columns of the
+    weight as it is (a group's columns are no longer quantized together), and the codes are
+    written back at the columns' own places."""
     n, k = weight.shape
     if gram.shape != (k, k):
         raise AOQError(f"{name}: Gram matrix of shape {tuple(gram.shape)} does not match weight {n}x{k}")
@@ -61,6 +68,14 @@ def gptq_sweep(weight: torch.Tensor, gram: torch.Tensor, group_size: int, quanti
     h[dead, dead] = 1.0  # an input that was always zero: its column cannot matter
     w[:, dead] = 0.0
     h.diagonal().add_(damping * torch.diag(h).mean())
+    rounders, order = None, None
+    if act_order:
+        # Every group's rounding from the weight before any feedback, in group order (the
+        # quantizers collect their parameters in the order they are called).
+        rounders = [quantize_group(w[:, s:s + group_size].clone(), s) for s in range(0, k, group_size)]
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        w, h = w[:, perm].contiguous(), h[perm][:, perm]
+        order = perm.tolist()
     hinv = _upper_cholesky_of_inverse(h, name)
 
     codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
@@ -72,12 +87,13 @@ def gptq_sweep(weight: torch.Tensor, gram: torch.Tensor, group_size: int, quanti
         for start in range(0, k, group_size):
             end = min(start + group_size, k)
             block = w[:, start:end]  # updated by the feedback from the columns before it
-            round_column = quantize_group(block, start)
+            round_column = quantize_group(block, start) if order is None else None
             hb = hinv[start:end, start:end]
             errors = torch.empty_like(block)
             for i in range(end - start):
-                q, value = round_column(block[:, i])
-                codes[:, start + i] = q.to(torch.uint8)
+                col = start + i if order is None else order[start + i]  # the column's own place
+                q, value = (round_column or rounders[col // group_size])(block[:, i])
+                codes[:, col] = q.to(torch.uint8)
                 err = (block[:, i] - value) / hb[i, i]
                 block[:, i:] -= err[:, None] * hb[i, i:][None, :]
                 errors[:, i] = err
@@ -86,14 +102,14 @@ def gptq_sweep(weight: torch.Tensor, gram: torch.Tensor, group_size: int, quanti
 
 
 def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, config, *, damping: float = 0.01,
-                  name: str = "weight") -> AOQTensor:
+                  act_order: bool = False, name: str = "weight") -> AOQTensor:
     """`config.quantize_weight(weight)`'s tensor type, its values chosen by GPTQ on inputs whose
-    Gram matrix is `gram`. `config` is one of GPTQ_CONFIGS."""
+    Gram matrix is `gram`. `config` is one of GPTQ_CONFIGS; `act_order` as gptq_sweep takes it."""
     if isinstance(config, Int4WeightOnlyConfig):
         return _gptq_affine(weight, gram, config.group_size, QMIN, QMAX, config.symmetric, config.qparams,
                             lambda codes, scale, zero, block: Int4Tensor(
                                 pack_int4(codes), scale, block, tuple(weight.shape), weight.dtype, zero=zero),
-                            damping, name)
+                            damping, act_order, name)
     if isinstance(config, IntxWeightOnlyConfig):
         bits = INT_DTYPES[config.weight_dtype]
         group = _intx_group(type(config).__name__, "granularity", config.granularity)
@@ -101,9 +117,9 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, config, *, damping: 
                             config.mapping_type == "symmetric", "mse",
                             lambda codes, scale, zero, block: IntxTensor(
                                 pack_intx(codes, bits), scale, bits, block, tuple(weight.shape), weight.dtype, zero=zero),
-                            damping, name)
+                            damping, act_order, name)
     if isinstance(config, Int4DQWeightOnlyConfig):
-        return _gptq_int4dq(weight, gram, config.group_size, damping, name)
+        return _gptq_int4dq(weight, gram, config.group_size, damping, act_order, name)
     names = ", ".join(c.__name__ for c in GPTQ_CONFIGS)
     raise AOQError(f"{name}: GPTQ calibrates {names}; got {type(config).__name__}")
 
@@ -113,7 +129,7 @@ def _check_weight(weight: torch.Tensor, name: str) -> None:
         raise AOQError(f"{name}: GPTQ quantizes 2-D float weights, got {weight.dtype} {tuple(weight.shape)}")
 
 
-def _gptq_affine(weight, gram, group_size, qmin, qmax, symmetric, qparams, build, damping, name):
+def _gptq_affine(weight, gram, group_size, qmin, qmax, symmetric, qparams, build, damping, act_order, name):
     """Int4Tensor / IntxTensor: w = (q - mid) * scale + zero per group (core.primitives)."""
     _check_weight(weight, name)
     mid = midpoint(qmin, qmax)
@@ -132,12 +148,12 @@ def _gptq_affine(weight, gram, group_size, qmin, qmax, symmetric, qparams, build
             return q, (q - mid) * s + z
         return round_column
 
-    codes = gptq_sweep(weight, gram, group_size, quantize_group, damping=damping, name=name)
+    codes = gptq_sweep(weight, gram, group_size, quantize_group, damping=damping, act_order=act_order, name=name)
     zero = None if symmetric else torch.cat(zeros, dim=1)
     return check_built(build(codes, torch.cat(scales, dim=1), zero, (1, group_size)), weight, name)
 
 
-def _gptq_int4dq(weight, gram, g, damping, name):
+def _gptq_int4dq(weight, gram, g, damping, act_order, name):
     """Int4DQTensor: the row grids from the weight as it is, each group's indices on them by the
     type's search on the updated weights, w = (q - 7.5) * d + c."""
     _check_weight(weight, name)
@@ -171,7 +187,7 @@ def _gptq_int4dq(weight, gram, g, damping, name):
             return q, (q - 7.5) * d + c
         return round_column
 
-    codes = gptq_sweep(weight, gram, g, quantize_group, damping=damping, name=name)
+    codes = gptq_sweep(weight, gram, g, quantize_group, damping=damping, act_order=act_order, name=name)
     out = Int4DQTensor(pack_int4(codes), torch.cat(gparams, dim=1), rparams, tparams, (1, g), tuple(weight.shape),
                        weight.dtype)
     return check_built(out, weight, name)

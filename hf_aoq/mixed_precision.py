@@ -11,7 +11,8 @@ buy the most predicted loss per byte. The result is an ordinary FqnToConfig of e
 names (None for a weight kept in float), which config.json stores like any recipe, so the
 checkpoint loads with no special code. Weights whose candidate carries "+gptq" are listed in
 `calibrated`: `apply_plan` chooses their values by GPTQ on the calibration tokens, block by block
-(hf_aoq.calibration.quantize_planned); GPTQ changes the values only, never the recipe.
+(hf_aoq.calibration.quantize_planned), in act order for "+gptq-act" candidates; GPTQ changes
+the values only, never the recipe.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class MixedPrecisionPlan:
     base_loss: float  # the float model's loss on the calibration tokens
     counts: dict[str, int] = field(default_factory=dict)  # candidate name -> weights that took it
     calibrated: tuple[str, ...] = ()  # the weights whose candidate is chosen by GPTQ
+    act_order: tuple[str, ...] = ()  # those of them whose GPTQ takes the columns in act order ("+gptq-act")
 
     def predicted_perplexity(self, float_perplexity: float | None = None) -> float:
         """The float model's perplexity (default: on the calibration tokens) x exp(predicted change)."""
@@ -124,7 +126,7 @@ def choose_recipe(report: SensitivityReport, target_bits: float, *, candidates=N
         used += extra
 
     by_name = {c.name: c for c in report.candidates}
-    choices, mapping, counts, calibrated = {}, {}, {}, []
+    choices, mapping, counts, calibrated, act_order = {}, {}, {}, [], []
     delta = 0.0
     for layer, opts, i in zip(report.layers, per_layer, choice):
         _, d, name = opts[i]
@@ -133,10 +135,12 @@ def choose_recipe(report: SensitivityReport, target_bits: float, *, candidates=N
         delta += d
         if by_name[name].calibration is not None:
             calibrated.append(layer.name)
+            if by_name[name].act_order:
+                act_order.append(layer.name)
         for n in (layer.name, *layer.tied):
             mapping[n] = by_name[name].config
     return MixedPrecisionPlan(choices, FqnToConfig(mapping), float(target_bits), 8 * used / numel, delta,
-                              report.base_loss, counts, tuple(calibrated))
+                              report.base_loss, counts, tuple(calibrated), tuple(act_order))
 
 
 def apply_plan(model: nn.Module, chosen: MixedPrecisionPlan, decisions: dict[str, Decision],
@@ -159,7 +163,7 @@ def apply_plan(model: nn.Module, chosen: MixedPrecisionPlan, decisions: dict[str
                            f"(e.g. {chosen.calibrated[0]}); pass the calibration token batches")
         from .calibration import quantize_planned
 
-        done = quantize_planned(model, todo, calibration, calibrate=chosen.calibrated)
+        done = quantize_planned(model, todo, calibration, calibrate=chosen.calibrated, act_order=chosen.act_order)
         missed = sorted(set(chosen.calibrated) - {f"{n}.weight" for n in done.calibrated})
         if missed:  # never a silent fallback to plain rounding
             raise AOQError(f"GPTQ could not calibrate {missed[:3]} (only weights that one linear reads); "

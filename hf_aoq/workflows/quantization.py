@@ -44,7 +44,7 @@ def load_recipe(path):
 
 
 def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calibration=None, calibration_tokens=2048,
-                     calibration_method="gptq", *, bits=None, candidates=None):
+                     calibration_method="gptq", *, bits=None, candidates=None, gptq_order=None):
     """The AOQConfig for `hf-aoq quantize`: `scheme` (+ `group_size`, which changes only that
     scheme's group size, never its type) is the config of every linear layer the recipe does
     not name; a `recipe` (FqnToConfig, or a path to its JSON) comes first; `skip` names modules
@@ -52,7 +52,15 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
     activation scales of fp8-static (which needs it), or for `calibration_method` "awq" (int4 and
     Int4DQ) or "smoothquant" (int8-dyn). `bits` asks for mixed precision at that average (among
     `candidates`, comma-separated scheme names), measured on `calibration`; it replaces `scheme`
-    and `recipe`."""
+    and `recipe`. `gptq_order` ("act", the default, or "sequential": left to right) is the column
+    order of GPTQ on `calibration` (AOQConfig.gptq_order)."""
+    if gptq_order is not None:
+        if calibration is None or calibration_method != "gptq":
+            raise UsageError("--gptq-order is the column order of GPTQ: it needs --calibration FILE (and "
+                             "--calibration-method gptq, the default)")
+        if bits is not None or candidates is not None:
+            raise UsageError("--gptq-order does not apply to --bits: each candidate names its own order "
+                             "(+gptq: left to right, +gptq-act: act order)")
     if bits is not None or candidates is not None:
         return _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens)
     from ..configs import FqnToConfig, config_for_scheme
@@ -68,7 +76,7 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
     if calibration is not None and scheme == "int4" and calibration_method == "gptq":
         raise UsageError("--calibration (GPTQ) chooses plain int4 weights: use --scheme int4-plain (groups of 128 by "
                          "default). The default int4 (Int4DQ) needs no data and is more accurate (SmolLM2: 31.6 "
-                         "against GPTQ's 38.9 at g128)")
+                         "against GPTQ's 35.9 at g128)")
     if scheme == "fp8-static" and calibration is None:
         raise UsageError("--scheme fp8-static needs --calibration FILE (a text file): its activation scales are "
                          "chosen on that text")
@@ -91,7 +99,7 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
     try:
         return AOQConfig(quant_type, modules_to_not_convert=list(skip) if skip else None,
                          calibration=calibration, calibration_tokens=calibration_tokens,
-                         calibration_method=calibration_method)
+                         calibration_method=calibration_method, gptq_order=gptq_order or "act")
     except AOQError as e:
         raise UsageError(str(e)) from None
 

@@ -41,9 +41,10 @@ def linear_shapes(model: str, *, revision=None, token=None, trust_remote_code=Fa
 
 
 def build_target_config(target: str, model: str, scheme: str | None, group_size: int | None, *, recipe=None,
-                        skip=None, calibration=None, calibration_tokens: int = 2048, load=None):
+                        skip=None, calibration=None, calibration_tokens: int = 2048, load=None, gptq_order=None):
     """The AOQConfig of `hf-aoq quantize --scheme SCHEME --target TARGET` (see the module
-    docstring); `load` (LoadOptions) says how to reach the model's config."""
+    docstring); `load` (LoadOptions) says how to reach the model's config; `gptq_order` as
+    build_aoq_config takes it."""
     from ..configs import FqnToConfig, Int4WeightOnlyConfig
     from .quantization import build_aoq_config
 
@@ -51,7 +52,7 @@ def build_target_config(target: str, model: str, scheme: str | None, group_size:
         raise UsageError(f"--target {target}: not one of {', '.join(TARGETS)}")
     if target == "gguf":
         return _gguf_config(model, scheme, group_size, recipe=recipe, skip=skip, calibration=calibration,
-                            calibration_tokens=calibration_tokens, load=load)
+                            calibration_tokens=calibration_tokens, load=load, gptq_order=gptq_order)
     if recipe is not None:
         raise UsageError("--target chooses every layer's config itself; give --scheme (and --skip), not --recipe")
     if scheme not in EXPORTABLE_SCHEMES:
@@ -59,7 +60,7 @@ def build_target_config(target: str, model: str, scheme: str | None, group_size:
         raise UsageError(f"--target needs --scheme {', '.join(EXPORTABLE_SCHEMES[:-1])} or {EXPORTABLE_SCHEMES[-1]}"
                          + ("" if scheme is None else f"; {scheme} has no compressed-tensors form"))
     if scheme not in ("int4", "int4-plain"):
-        return build_aoq_config(scheme, group_size, None, skip, calibration, calibration_tokens)
+        return build_aoq_config(scheme, group_size, None, skip, calibration, calibration_tokens, gptq_order=gptq_order)
     g = 128 if group_size is None else group_size
     if g not in MARLIN_GROUP_SIZES:
         raise UsageError(f"--target {target} --scheme {scheme}: --group-size {group_size}; vLLM's 4-bit kernels "
@@ -74,13 +75,13 @@ def build_target_config(target: str, model: str, scheme: str | None, group_size:
             f"size that is a multiple of {MARLIN_K} and an output size that is a multiple of {MARLIN_N}): "
             f"{', '.join(sorted(misfits))}")
     return build_aoq_config(None, None, FqnToConfig({**misfits, "_default": default}), skip, calibration,
-                            calibration_tokens)
+                            calibration_tokens, gptq_order=gptq_order)
 
 
 GGUF_BLOCK = 32
 
 
-def _gguf_config(model, scheme, group_size, *, recipe, skip, calibration, calibration_tokens, load):
+def _gguf_config(model, scheme, group_size, *, recipe, skip, calibration, calibration_tokens, load, gptq_order):
     import torch
 
     from ..configs import FqnToConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
@@ -106,4 +107,4 @@ def _gguf_config(model, scheme, group_size, *, recipe, skip, calibration, calibr
         log(f"--target gguf: {len(misfits)} linear layers stay in float (a GGUF row is whole blocks of "
             f"{GGUF_BLOCK}): {', '.join(sorted(misfits))}")
     return build_aoq_config(None, None, FqnToConfig({**misfits, "_default": default}), skip, calibration,
-                            calibration_tokens)
+                            calibration_tokens, gptq_order=gptq_order)

@@ -105,7 +105,9 @@ def test_int4_g32_matches_the_gguf_grid(checkpoint):
 
 def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
     """min/max +68.4%, MSE search (the default) +52.8%, GPTQ on 1,024 other tokens of the same
-    text +51.6%: each ceiling a little above its measurement, and each better than the last."""
+    text +51.6% left to right when first measured: each ceiling a little above its measurement,
+    and each better than the last. Measured again with GPTQ in act order, calibration's default
+    now: 31.10 (+22.1%, bf16 25.47), left to right 32.91 (+29.2%) in the same run."""
     path, ids, baseline = checkpoint
     minmax = perplexity(load_quantized(path, Int4WeightOnlyConfig(128, qparams="minmax")), ids)
     assert minmax <= baseline * 1.71
@@ -126,6 +128,7 @@ def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
     calibrated = perplexity(model, ids)
     assert calibrated <= baseline * 1.54
     assert calibrated < default
+    assert calibrated <= baseline * 1.25  # act order, the default (left to right: 1.29x)
 
 
 def test_int4dq_perplexity_at_the_int4_g128_size(checkpoint, tmp_path):
@@ -147,3 +150,25 @@ def test_int4dq_perplexity_at_the_int4_g128_size(checkpoint, tmp_path):
     short = ids[:, :32]
     with torch.no_grad():
         assert torch.equal(again(short).logits, model(short).logits)
+
+
+def test_int4dq_with_act_order_gptq_loses_less_than_rounding(checkpoint):
+    """Int4DQ g32 chosen by GPTQ in act order (hf_aoq.gptq, columns by descending input energy)
+    on 1,024 other tokens of the same text, against plain rounding at the same 4.30 bits.
+    Measured on this slice: 26.36 against rounding's 26.41 (bf16 25.47; +3.5% against +3.7%); on
+    issue 7's protocol, calibrated on 4,096 tokens: 31.12 against rounding's 31.60 and
+    left-to-right GPTQ's 31.94 (bf16 30.99)."""
+    path, ids, baseline = checkpoint
+    rounded = perplexity(load_quantized(path, Int4DQWeightOnlyConfig()), ids)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with open(TEXT, encoding="utf-8") as f:
+        all_ids = tokenizer(f.read(), return_tensors="pt").input_ids[0]
+    calibration = windows(all_ids, tokenizer.bos_token_id, n_tokens=1024, window=512, offset=4096)
+    linears = lambda m, f: isinstance(m, torch.nn.Linear) and "lm_head" not in f  # noqa: E731
+    report = quantize_with_calibration(model, Int4DQWeightOnlyConfig(), calibration, filter_fn=linears, act_order=True)
+    assert len(report.calibrated) == 30 * 7
+    assert isinstance(model.model.layers[3].mlp.down_proj.weight, Int4DQTensor)
+    calibrated = perplexity(model, ids)
+    assert calibrated < rounded
+    assert calibrated <= baseline * 1.04  # the ceiling on the slice

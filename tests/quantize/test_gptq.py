@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_aoq import (AOQConfig, AOQError, FqnToConfig, Int4DQTensor, Int4DQWeightOnlyConfig, Int8WeightOnlyConfig,
-                    IntxTensor, IntxWeightOnlyConfig, PerGroup, PerRow)
+from hf_aoq import (AOQConfig, AOQError, FqnToConfig, Int4DQTensor, Int4DQWeightOnlyConfig, Int4WeightOnlyConfig,
+                    Int8WeightOnlyConfig, IntxTensor, IntxWeightOnlyConfig, PerGroup, PerRow)
 from hf_aoq.calibration import quantize_with_calibration
 from hf_aoq.core.errors import FormatError
 from hf_aoq.gptq import gptq_quantize
@@ -173,3 +173,65 @@ def test_analyze_on_the_command_line_takes_gptq_candidates(tiny_llama_dir, tmp_p
                for l in linears)
     assert cli.main(["analyze", str(tiny_llama_dir), "--calibration", str(text), "--schemes", "int8+gptq"]) == 2
     assert "GPTQ calibrates" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- act order
+def _act_order_configs():
+    return [IntxWeightOnlyConfig(torch.int3, PerGroup(32), "asymmetric"), IntxWeightOnlyConfig(torch.int2, PerGroup(64)),
+            Int4DQWeightOnlyConfig(32), Int4WeightOnlyConfig(32, symmetric=False)]
+
+
+@pytest.mark.parametrize("cfg", _act_order_configs(), ids=lambda c: type(c).__name__)
+def test_act_order_with_independent_inputs_rounds_each_weight_to_nearest(cfg):
+    """Independent inputs (a diagonal Gram matrix) leave GPTQ no error to feed forward, so in any
+    column order it must give round-to-nearest's tensor, value for value: a code written at its
+    column's place in the permuted order, not its own, or a group's parameters given to another
+    group, would differ."""
+    torch.manual_seed(3)
+    w = torch.randn(24, 192, dtype=torch.bfloat16)
+    diag = torch.rand(192) + 0.1
+    assert not torch.equal(torch.argsort(diag, descending=True), torch.arange(192))  # a real permutation
+    q = gptq_quantize(w, torch.diag(diag), cfg, act_order=True)
+    rtn = cfg.quantize_weight(w)
+    assert type(q) is type(rtn)
+    for key, value in rtn.tensor_fields().items():
+        assert torch.equal(q.tensor_fields()[key], value), key
+
+
+@pytest.mark.parametrize("cfg", _act_order_configs()[:3], ids=lambda c: type(c).__name__)
+def test_act_order_lowers_the_output_error_where_loud_inputs_are_scattered(cfg):
+    torch.manual_seed(0)
+    w = torch.randn(48, 256, dtype=torch.bfloat16)
+    x = correlated_inputs(256, 2048)[:, torch.randperm(256, generator=torch.Generator().manual_seed(5))]
+    plain = gptq_quantize(w, x.t() @ x, cfg)
+    ordered = gptq_quantize(w, x.t() @ x, cfg, act_order=True)
+    assert type(ordered) is type(plain) and ordered.block_size == plain.block_size
+    type(ordered).check_fields({**ordered.tensor_fields(), **ordered.attributes()})
+    # Measured: +2.0 to +2.4 dB over GPTQ left to right (which is itself 2.3-2.5 dB over rounding).
+    assert _output_gain(ordered, plain, w, x) > 1.0
+
+
+def test_act_order_candidates_parse_and_are_applied_in_act_order(monkeypatch, tmp_path):
+    c = parse_candidate("int3-asym:g32+gptq-act")
+    assert (c.calibration, c.act_order, c.config) == ("gptq-act", True, IntxWeightOnlyConfig(torch.int3, PerGroup(32), "asymmetric"))
+    assert not parse_candidate("int3-asym:g32+gptq").act_order
+    import hf_aoq.calibration as calibration_module
+
+    seen = {}
+    real = calibration_module.gptq_quantize
+
+    def spy(weight, gram, config, *, act_order=False, name="weight", **kw):
+        seen[name] = act_order
+        return real(weight, gram, config, act_order=act_order, name=name, **kw)
+
+    monkeypatch.setattr(calibration_module, "gptq_quantize", spy)
+    model = trained_tiny_model(30)
+    # float32 weights: int3 g64 with float32 scale and zero is 4 bits, Int4DQ 4.5-4.8 on these shapes.
+    chosen, report = quantize_mixed_precision(model, 4.5, "int3-asym:g64+gptq-act,int4+gptq,int8",
+                                              [markov_tokens(8, 65, seed=2)])
+    assert set(chosen.act_order) == {n for n, c in chosen.choices.items() if c.endswith("+gptq-act")} != set()
+    assert set(chosen.calibrated) > set(chosen.act_order)  # int4+gptq was chosen somewhere too, left to right
+    assert seen == {n: n in chosen.act_order for n in chosen.calibrated}
+    report.save(tmp_path / "r.json")
+    again = SensitivityReport.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    assert [c.calibration for c in again.candidates] == ["gptq-act", "gptq", None]

@@ -387,7 +387,7 @@ class AOQHfQuantizer(HfQuantizer):
         with hf_logging.tqdm(total=len(blocks) or None, desc=f"{method.upper()} calibration", unit="block") as bar:
             report = calibration.quantize_with_calibration(
                 model, recipe, batches, log=lambda message: (bar.set_postfix_str(message.split(" (")[0]), bar.update()),
-                method=method,
+                method=method, act_order=config.gptq_order == "act",
             )
         logger.info("hf_aoq: %s", report.summary())
 
