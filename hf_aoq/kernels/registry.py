@@ -4,7 +4,10 @@ A row of the table is a `Kernel`: an op ("linear", "embedding"), the tensor type
 class name; a subclass finds its bases' kernels through its MRO), the packings it reads, the
 device type it runs on, the capabilities it needs and a per-call condition on shapes and dtypes.
 `select_kernel` walks the weight's MRO and, for each class, the rows for (op, class, packing) by
-priority; the first row whose device, capabilities and condition hold runs.
+priority; the first row whose device, capabilities and condition hold runs. The answer is
+remembered on the weight for the input's dtype, device, shape and contiguity and the grad mode
+(what a condition may read besides the weight's fields), and asked again after any change to the
+table, the capabilities (`forget_capabilities`) or the weight's fields.
 
 A `Packing` is a device-specific layout of a type's fields that some kernels read; placement
 (`best_packing`) only picks a packing that a kernel capable on the device reads, so a packing

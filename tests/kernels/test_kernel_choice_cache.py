@@ -13,29 +13,13 @@ import torch.nn.functional as F
 from hf_aoq import Int4Tensor, kernels
 from hf_aoq.core.tensor import KERNEL_CACHE, _forget_resolved
 from hf_aoq.kernels import cpu_ext, cpu_gemm, registry
+from test_kernel_table import scratch_table  # noqa: F401  (the fixture: rows registered here are gone after)
 
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's C++ extension is not built here")
 
 
 class CountedInt4(Int4Tensor):
     """A type of this test's own: rows registered for it leave Int4Tensor's alone."""
-
-
-@pytest.fixture
-def scratch_table():
-    """Rows, packings and capabilities registered inside the test are gone after it."""
-    saved = ({k: list(v) for k, v in registry._KERNELS.items()}, dict(registry._PACKINGS), dict(registry._CAPABILITIES))
-    try:
-        yield
-    finally:
-        registry._KERNELS.clear()
-        registry._KERNELS.update(saved[0])
-        registry._PACKINGS.clear()
-        registry._PACKINGS.update(saved[1])
-        registry._CAPABILITIES.clear()
-        registry._CAPABILITIES.update(saved[2])
-        registry.forget_capabilities()
-        registry._rebuild()
 
 
 @pytest.fixture
