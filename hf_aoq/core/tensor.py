@@ -35,6 +35,17 @@ _WRAPPER_ATTRIBUTES = ("shape", "dtype")
 # this machine's kernels allow): a graph traced where other kernels were chosen is not reused.
 CACHE_KEY_PARTS: list[Callable[[], str]] = []
 
+# The instance attribute where the kernel table remembers which kernel it chose for this tensor
+# (kernels/registry.py `select_kernel`). It is no field: setting any attribute drops it (a choice
+# may depend on every field), and pickling and deepcopy leave it out.
+KERNEL_CACHE = "_aoq_kernel_choices"
+
+# Every class's resolved op tables (op -> implementation found through the MRO, or None), emptied
+# whenever an implementation is registered on any class (a base class's entry changes its
+# subclasses' answers).
+_RESOLVED: list[dict] = []
+_NOT_RESOLVED = object()
+
 OpImpl = Callable[[Any, tuple, tuple, dict], Any]
 
 
@@ -53,11 +64,14 @@ class AOQTensor(torch.Tensor):
     # gets its own, and lookups walk the MRO so subclasses inherit and may override.
     _aten_table: ClassVar[dict] = {}
     _torch_fn_table: ClassVar[dict] = {}
+    _resolved: ClassVar[dict[str, dict]] = {"_aten_table": {}, "_torch_fn_table": {}}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._aten_table = {}
         cls._torch_fn_table = {}
+        cls._resolved = {"_aten_table": {}, "_torch_fn_table": {}}
+        _RESOLVED.extend(cls._resolved.values())
         if not cls.tensor_data_names:
             return  # an abstract intermediate class
         names = cls.field_names()
@@ -134,9 +148,8 @@ class AOQTensor(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(
             cls, fields["shape"], dtype=fields["dtype"], device=first.device, requires_grad=False
         )
-        for name, value in fields.items():
-            if name not in _WRAPPER_ATTRIBUTES:
-                setattr(self, name, value)
+        # Straight into the instance dict: no __setattr__ per field (this runs on every replace()).
+        self.__dict__.update((name, value) for name, value in fields.items() if name not in _WRAPPER_ATTRIBUTES)
         return self
 
     @classmethod
@@ -151,6 +164,16 @@ class AOQTensor(torch.Tensor):
     def __init__(self, *args, **kwargs):
         # Everything happens in __new__; Tensor.__init__ must not see the fields.
         pass
+
+    def __setattr__(self, name, value):
+        # A field set after construction may change which kernel applies: forget the choices.
+        self.__dict__.pop(KERNEL_CACHE, None)
+        super().__setattr__(name, value)
+
+    def _clear_non_serializable_cached_data(self):
+        # torch's hook, called before pickling and deepcopy: the kernel choices hold functions.
+        self.__dict__.pop(KERNEL_CACHE, None)
+        super()._clear_non_serializable_cached_data()
 
     @classmethod
     def check_fields(cls, fields: Mapping[str, Any]) -> None:
@@ -286,6 +309,7 @@ class AOQTensor(torch.Tensor):
         def register(fn):
             for op in ops:
                 cls._aten_table[op] = fn
+            _forget_resolved()
             return fn
 
         return register
@@ -297,12 +321,26 @@ class AOQTensor(torch.Tensor):
         def register(fn):
             for f in fns:
                 cls._torch_fn_table[f] = fn
+            _forget_resolved()
             return fn
 
         return register
 
     @classmethod
     def _lookup(cls, table: str, op) -> OpImpl | None:
+        """The implementation of `op` in `table` ("_aten_table" or "_torch_fn_table") through the
+        MRO, resolved once per class and op (every call of F.linear asks)."""
+        resolved = cls._resolved[table]
+        try:
+            impl = resolved.get(op, _NOT_RESOLVED)
+        except TypeError:  # an unhashable callable
+            return cls._walk_mro(table, op)
+        if impl is _NOT_RESOLVED:
+            impl = resolved[op] = cls._walk_mro(table, op)
+        return impl
+
+    @classmethod
+    def _walk_mro(cls, table: str, op) -> OpImpl | None:
         for klass in cls.__mro__:
             impl = klass.__dict__.get(table, {}).get(op)
             if impl is not None:
@@ -311,12 +349,11 @@ class AOQTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         impl = cls._lookup("_torch_fn_table", func)
         if impl is not None:
-            return impl(func, types, args, kwargs)
+            return impl(func, types, args, kwargs or {})
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            return func(*args, **(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -328,6 +365,14 @@ class AOQTensor(torch.Tensor):
                 f"or add it to {cls.__name__}'s op table"
             )
         return impl(func, types, args, kwargs)
+
+
+_RESOLVED.extend(AOQTensor._resolved.values())
+
+
+def _forget_resolved() -> None:
+    for resolved in _RESOLVED:
+        resolved.clear()
 
 
 # ---------------------------------------------------------------------- shared ops

@@ -5,7 +5,8 @@ type, capabilities, per-call condition) -> function. `select_kernel(op, x, w)` w
 (so a subclass of Int4Tensor runs Int4Tensor's kernels) and, for each class, the rows for
 (op, class name, w.packing) by priority, and runs the first whose device, capabilities (probed
 once per device: hf_aoq's C++ extension built, an aten op present, a CUDA compute capability)
-and condition (shapes, dtypes) hold. `table()` lists every row.
+and condition (shapes, dtypes) hold; the choice is remembered per weight and input signature
+(registry.select_kernel says what invalidates it). `table()` lists every row.
 
 Packings are device layouts some kernels read (`Packing.kernels()` names them); `place()` picks,
 via `best_packing`, the best one that a kernel capable on the device reads, and `to_canonical()`

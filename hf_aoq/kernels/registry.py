@@ -4,7 +4,10 @@ A row of the table is a `Kernel`: an op ("linear", "embedding"), the tensor type
 class name; a subclass finds its bases' kernels through its MRO), the packings it reads, the
 device type it runs on, the capabilities it needs and a per-call condition on shapes and dtypes.
 `select_kernel` walks the weight's MRO and, for each class, the rows for (op, class, packing) by
-priority; the first row whose device, capabilities and condition hold runs.
+priority; the first row whose device, capabilities and condition hold runs. The answer is
+remembered on the weight for the input's dtype, device, shape and contiguity and the grad mode
+(what a condition may read besides the weight's fields), and asked again after any change to the
+table, the capabilities (`forget_capabilities`) or the weight's fields.
 
 A `Packing` is a device-specific layout of a type's fields that some kernels read; placement
 (`best_packing`) only picks a packing that a kernel capable on the device reads, so a packing
@@ -97,6 +100,7 @@ core_tensor.CACHE_KEY_PARTS.append(compile_key)
 def forget_capabilities() -> None:
     """Probe every capability again on next use (tests that change what the machine allows)."""
     _CAPABLE.clear()
+    _table_changed()
 
 
 # ---------------------------------------------------------------------- the eager/compiled switch
@@ -191,6 +195,7 @@ _TABLE: dict[tuple[str, str, str | None], tuple[Kernel, ...]] = {}  # (op, type,
 def _rebuild() -> None:
     """(op, type, packing) -> rows, ANY rows expanded over the type's known packings; a packing's
     rows are those of its device (or of any device)."""
+    _table_changed()
     _TABLE.clear()
     for (op, type_name), rows in _KERNELS.items():
         device_of = {CANONICAL: None, **{p.name: p.device_type for p in _PACKINGS.values() if p.type_name == type_name}}
@@ -239,8 +244,41 @@ def register_packing(packing: Packing) -> Packing:
     return packing
 
 
+# The choice is remembered per weight (in its KERNEL_CACHE attribute, which setting any field
+# drops), keyed by what a row's condition may read besides the weight's fields: the op, x's dtype,
+# device, shape and contiguity, and the grad mode; and by `_version`, which every change to the
+# table or to what the capabilities are bumps. Decode asks the same question of every weight on
+# every token: a few microseconds of walking rows and probing capabilities, per linear, per token.
+_version = 0
+_CHOICES_PER_WEIGHT = 64  # distinct input shapes remembered (prefill lengths); then start over
+
+
+def _table_changed() -> None:
+    global _version
+    _version += 1
+
+
 def select_kernel(op: str, x: torch.Tensor, weight) -> Kernel:
-    """The first row, through the weight's MRO and by priority, whose conditions hold."""
+    """The first row, through the weight's MRO and by priority, whose conditions hold. A row's
+    `when(x, w)` may read the weight's fields and x's dtype, device, shape and contiguity and the
+    grad mode: the answer is remembered for those (not while torch.compile traces)."""
+    if not isinstance(weight, core_tensor.AOQTensor) or torch.compiler.is_compiling():
+        return _select(op, x, weight)
+    key = (op, x.dtype, x.device, x.shape, x.is_contiguous(), torch.is_grad_enabled())
+    known = weight.__dict__.get(core_tensor.KERNEL_CACHE)
+    if known is None or known[0] != _version:
+        known = weight.__dict__[core_tensor.KERNEL_CACHE] = (_version, {})
+    choices = known[1]
+    kernel = choices.get(key)
+    if kernel is None:
+        kernel = _select(op, x, weight)
+        if len(choices) >= _CHOICES_PER_WEIGHT:
+            choices.clear()
+        choices[key] = kernel
+    return kernel
+
+
+def _select(op: str, x: torch.Tensor, weight) -> Kernel:
     packing = getattr(weight, "packing", None)
     device = x.device
     for cls in type(weight).__mro__:
