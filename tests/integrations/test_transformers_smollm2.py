@@ -44,6 +44,22 @@ def load_quantized(path, recipe):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=AOQConfig(recipe))
 
 
+def float_model_and_calibration(path):
+    """The bf16 model from `path` and 1,024 calibration tokens of TEXT: tokens 4,096 to 5,119,
+    not the scored ones."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with open(TEXT, encoding="utf-8") as f:
+        all_ids = tokenizer(f.read(), return_tensors="pt").input_ids[0]
+    return model, windows(all_ids, tokenizer.bos_token_id, n_tokens=1024, window=512, offset=4096)
+
+
+def linears(module, fqn) -> bool:
+    """Linears only: SmolLM2 ties lm_head to the input embedding, which a filter on names alone
+    would quantize (and silently untie, before quantize_ refused tied pairs resolved two ways)."""
+    return isinstance(module, torch.nn.Linear) and "lm_head" not in fqn
+
+
 def perplexity(model, ids) -> float:
     with torch.no_grad():
         return math.exp(model(ids, labels=ids).loss.item())
@@ -114,15 +130,7 @@ def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
     default = perplexity(load_quantized(path, INT4_G128), ids)
     assert default < minmax * 0.95
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    with open(TEXT, encoding="utf-8") as f:
-        all_ids = tokenizer(f.read(), return_tensors="pt").input_ids[0]
-    # Tokens 4,096 to 5,119: not the scored ones.
-    calibration = windows(all_ids, tokenizer.bos_token_id, n_tokens=1024, window=512, offset=4096)
-    # Linears only: SmolLM2 ties lm_head to the input embedding, which a filter on names alone
-    # would quantize (and silently untie, before quantize_ refused tied pairs resolved two ways).
-    linears = lambda m, f: isinstance(m, torch.nn.Linear) and "lm_head" not in f  # noqa: E731
+    model, calibration = float_model_and_calibration(path)
     report = quantize_with_calibration(model, INT4_G128, calibration, filter_fn=linears)
     assert len(report.calibrated) == 30 * 7
     calibrated = perplexity(model, ids)
@@ -160,12 +168,7 @@ def test_int4dq_with_act_order_gptq_loses_less_than_rounding(checkpoint):
     left-to-right GPTQ's 31.94 (bf16 30.99)."""
     path, ids, baseline = checkpoint
     rounded = perplexity(load_quantized(path, Int4DQWeightOnlyConfig()), ids)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    with open(TEXT, encoding="utf-8") as f:
-        all_ids = tokenizer(f.read(), return_tensors="pt").input_ids[0]
-    calibration = windows(all_ids, tokenizer.bos_token_id, n_tokens=1024, window=512, offset=4096)
-    linears = lambda m, f: isinstance(m, torch.nn.Linear) and "lm_head" not in f  # noqa: E731
+    model, calibration = float_model_and_calibration(path)
     report = quantize_with_calibration(model, Int4DQWeightOnlyConfig(), calibration, filter_fn=linears, act_order=True)
     assert len(report.calibrated) == 30 * 7
     assert isinstance(model.model.layers[3].mlp.down_proj.weight, Int4DQTensor)
