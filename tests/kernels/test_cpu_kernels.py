@@ -414,9 +414,9 @@ def test_int8_fp8_gemv_every_row_count(kind, n, k):
 @needs_ext
 @pytest.mark.parametrize("kind", ["int8", torch.float8_e4m3fn, torch.float8_e5m2])
 def test_batch1_gemv_row_value_does_not_depend_on_its_row_block(kind):
-    """At one activation row the int8 and float8 GEMVs run eight weight rows at a time, four where
-    fewer are left (csrc/simd.h dot_rows): a row's value must be the same bit for bit whichever
-    block computed it. N = 44 ends in a block of four; K = 200 leaves a column tail; one thread,
+    """At one activation row the int8 and float8 GEMVs run eight weight rows at a time on AVX-512
+    (four on AVX2), four where fewer are left (csrc/simd.h dot_rows): a row's value must be the
+    same bit for bit whichever block computed it. N = 44 ends in a block of four; K = 200 leaves a column tail; one thread,
     so that every row of the float8 kernel's single range is in a block."""
     from hf_aoq import Float8Tensor
 

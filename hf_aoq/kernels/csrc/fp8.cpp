@@ -168,11 +168,11 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor row
     constexpr int64_t MB = 4;  // activation rows per pass over a weight row
     int64_t n = n0;
 #if defined(__AVX2__)
-    if (M == 1) {  // eight weight rows at a time, then four (the same value for a row either way)
-      float acc[8];
-      for (; n + 8 <= n1; n += 8) {
-        fp8_rows<8>(cp, xp, K, n, s, acc);
-        for (int j = 0; j < 8; ++j) op[n + j] = (acc[j] * half_factor) * (sp[n + j] * half_factor);
+    if (M == 1) {  // kDotRows weight rows at a time, then four (the same value for a row either way)
+      float acc[kDotRows];
+      for (; n + kDotRows <= n1; n += kDotRows) {
+        fp8_rows<kDotRows>(cp, xp, K, n, s, acc);
+        for (int j = 0; j < kDotRows; ++j) op[n + j] = (acc[j] * half_factor) * (sp[n + j] * half_factor);
       }
       for (; n + 4 <= n1; n += 4) {
         fp8_rows<4>(cp, xp, K, n, s, acc);

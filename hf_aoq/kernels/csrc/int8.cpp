@@ -37,18 +37,18 @@ inline void int8_rows(const float* x, const int8_t* q, const float* scale, int64
 }
 #endif
 
-// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row eight weight rows at a time,
+// y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]: one activation row kDotRows weight rows at a time,
 // more rows in tiles of four weight rows by several activation rows (each weight byte read once
 // per tile of activation rows); without AVX2, one row at a time.
 void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
 #if defined(__AVX2__)
-  if (M == 1 && N % 4 == 0) {  // eight weight rows at a time, the last four alone when N % 8 == 4
-    at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t b0, int64_t b1) {
+  if (M == 1 && N % 4 == 0) {  // kDotRows weight rows at a time, the last four alone when fewer are left
+    at::parallel_for(0, (N + kDotRows - 1) / kDotRows, 16 / kDotRows, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
-        if (8 * b + 8 <= N)
-          int8_rows<8>(x, q, scale, K, 8 * b, y);
+        if (kDotRows * b + kDotRows <= N)
+          int8_rows<kDotRows>(x, q, scale, K, kDotRows * b, y);
         else
-          int8_rows<4>(x, q, scale, K, 8 * b, y);
+          int8_rows<4>(x, q, scale, K, kDotRows * b, y);
       }
     });
     return;

@@ -53,6 +53,15 @@ inline float vsum(vfloat v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
 // nothing) and changes no value.
 constexpr int64_t kRowPrefetchBytes = 384;
 
+// Weight rows per `dot_rows` call in the batch-1 GEMVs: eight on AVX-512 (one zmm accumulator a
+// row, of 32 registers); four on AVX2, whose 16 registers eight rows' two-register accumulators
+// would fill. A row's value is the same either way.
+#if defined(__AVX512F__)
+constexpr int kDotRows = 8;
+#else
+constexpr int kDotRows = 4;
+#endif
+
 // One activation row x against NR weight rows of codes starting at r0 (rows K apart): each x
 // vector is loaded once for the NR rows. widen(p) gives the float32 values of the kLanes codes
 // at p, widen1(c) of one code; out gets the NR dot products. Lane l sums the columns k = l mod 16
