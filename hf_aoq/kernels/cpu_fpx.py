@@ -5,8 +5,8 @@ Few rows (up to FPX_GEMV_MAX_ROWS, one register tile): a float32 GEMV that decod
 lookup in registers (the table holds the 2^(b-1) magnitudes; the sign is the code's top bit), so
 it reads b/8 bytes per weight, and multiplies each row's sum by its scale. More rows: the weight
 dequantized exactly in float32 chunks and a float32 GEMM, in the same C++ call; with bf16
-activations on CPUs where aten's bf16 GEMM runs on AMX, the weight dequantized to bf16 (bit for
-bit the reference's) and aten's GEMM, as the int4/int8/Intx AMX rows do.
+activations on CPUs where aten's bf16 GEMM is native (AMX or AVX512-BF16), the weight dequantized
+to bf16 (bit for bit the reference's) and aten's GEMM, as the int4/int8/Intx bf16-GEMM rows do.
 
 Eager and compiled calls run the same C++ entry points, through `OpaqueOp`.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from . import cpu_ext
 from .common import FLOATS
 from .cpu import CPU_EXT, _in_features, _linear_out
-from .cpu_gemm import BF16_GEMM_AMX, HALF, _rows
+from .cpu_gemm import BF16_GEMM, many_bf16_rows
 from .registry import opaque_op, register_kernel
 
 # Measured on the AVX-512 Xeon VM (2048x5632, fp6 e3m2, bf16 activations, 1 thread, best of 15
@@ -29,10 +29,10 @@ from .registry import opaque_op, register_kernel
 # earlier GEMV that read a decoded row from a buffer lost (3.2-9.4 against 2.7-3.3 ms). Above one
 # tile the row is decoded once per tile, so the GEMV stops at one AVX-512 tile. AVX2 not measured.
 FPX_GEMV_MAX_ROWS = 4
-# bf16 activations on AMX CPUs: dequantize to bf16 + aten's GEMM from this many rows (same run:
-# 24.8 / 26.8 / 27.1 ms at 64 / 96 / 128 rows against float32 dequantize + GEMM's 43.9 / 53.7 /
-# 66.4; at 8-32 rows it lost, 20-24 against 3.3-20.9).
-FPX_AMX_MIN_ROWS = 64
+# bf16 activations on AMX CPUs: dequantize to bf16 + aten's GEMM from 64 rows (cpu_gemm.MIN_ROWS
+# "fpx"; same run: 24.8 / 26.8 / 27.1 ms at 64 / 96 / 128 rows against float32 dequantize + GEMM's
+# 43.9 / 53.7 / 66.4; at 8-32 rows it lost, 20-24 against 3.3-20.9). AVX512-BF16 without AMX: from
+# 12 rows (measured on a Zen 5, cpu_gemm.py).
 # Batch 1 against int4 g32 (Int4Tensor, hf_aoq's int16-code kernel through F.linear) and dense bf16,
 # same machine, scripts/bench_kernels.py --rows 1 --dtypes bfloat16 --threads 1 --rounds 80 (load
 # ~20), best / median ms: dense bf16 2.01 / 5.45, int4 g32 1.07 / 1.53, fp6 e3m2 1.21 / 1.38, fp5
@@ -83,13 +83,16 @@ def fpx_cpu_linear(x, w, bias):
     return fpx_linear_io(x, w.qdata, w.scale, w.ebits, w.mbits, _in_features(w), bias)
 
 
-def _fpx_amx_applies(x, w) -> bool:
-    return x.dtype in HALF and _rows(x) >= FPX_AMX_MIN_ROWS and _fields_fit(w)
+_many_bf16_rows = many_bf16_rows("fpx")
 
 
-@register_kernel("linear", "FPxTensor", "cpu_fpx_amx_gemm", backend="cpu", priority=30, device="cpu",
-                 needs=(CPU_EXT, BF16_GEMM_AMX), when=_fpx_amx_applies)
-def fpx_amx_linear(x, w, bias):
+def _fpx_bf16_gemm_applies(x, w) -> bool:
+    return _many_bf16_rows(x, w) and _fields_fit(w)
+
+
+@register_kernel("linear", "FPxTensor", "cpu_fpx_bf16_gemm", backend="cpu", priority=30, device="cpu",
+                 needs=(CPU_EXT, BF16_GEMM), when=_fpx_bf16_gemm_applies)
+def fpx_bf16_gemm_linear(x, w, bias):
     """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
     weight = fpx_dequantize(w.qdata, w.scale, w.ebits, w.mbits, _in_features(w), x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))

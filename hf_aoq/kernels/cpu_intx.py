@@ -5,8 +5,8 @@ so that it reads b/8 bytes per weight, with int16 activation codes per group (we
 Int8Tensor's per-token int8 codes (act_quant "per_token"), exact int32 sums and float32 scaling.
 Groups of 32, 64, 128 or 256, a multiple of 256, or one per row; other groups (16) and more rows:
 the weight dequantized exactly in float32 chunks and a float32 GEMM, in the same C++ call. With
-bf16 activations at many rows on CPUs where aten's bf16 GEMM runs on AMX, the weight dequantized
-to bf16 (bit for bit the reference's) and aten's GEMM.
+bf16 activations at many rows on CPUs where aten's bf16 GEMM is native (AMX or AVX512-BF16), the
+weight dequantized to bf16 (bit for bit the reference's) and aten's GEMM.
 
 Eager and compiled calls run the same C++ entry points, through `OpaqueOp`.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from . import cpu_ext
 from .common import FLOATS
 from .cpu import CPU_EXT, _in_features, _linear_out
-from .cpu_gemm import BF16_GEMM_AMX, HALF, _rows
+from .cpu_gemm import BF16_GEMM, many_bf16_rows
 from .registry import opaque_op, register_kernel
 
 # Measured with bf16 activations, 2048x5632, groups of 32, 2 threads on a busy 2-vCPU Xeon
@@ -30,9 +30,9 @@ from .registry import opaque_op, register_kernel
 # the rows; the dequantization (scalar code, about 30 ms for this weight) bounds the other path.
 # AVX2 not measured.
 INTX_GEMV_MAX_ROWS = 64
-# bf16 activations on AMX CPUs: above the GEMV's rows, dequantize to bf16 + aten's GEMM (the
+# bf16 activations where aten's bf16 GEMM is native (AMX, AVX512-BF16): above the GEMV's rows
+# (cpu_gemm.MIN_ROWS "intx", INTX_GEMV_MAX_ROWS + 1 on both), dequantize to bf16 + aten's GEMM (the
 # same dequantization, a faster GEMM than float32's).
-INTX_AMX_MIN_ROWS = INTX_GEMV_MAX_ROWS + 1
 # Batch 1 against int4 g32 (Int4Tensor's int16-code kernel through F.linear), 2048x5632, bf16,
 # asymmetric groups of 32, scripts/bench_kernels.py --rows 1 --only intx,"int4 g32" --rounds 60,
 # best of interleaved rounds as ratios (AVX-512 VNNI build, load average ~18 on 2 vCPUs): 1 thread
@@ -106,13 +106,16 @@ def intx_cpu_linear(x, w, bias):
                           w.act_quant == "per_token")
 
 
-def _intx_amx_applies(x, w) -> bool:
-    return x.dtype in HALF and _rows(x) >= INTX_AMX_MIN_ROWS and _fields_fit(w)
+_many_bf16_rows = many_bf16_rows("intx")
 
 
-@register_kernel("linear", "IntxTensor", "cpu_intx_amx_gemm", backend="cpu", priority=30, device="cpu",
-                 needs=(CPU_EXT, BF16_GEMM_AMX), when=_intx_amx_applies)
-def intx_amx_linear(x, w, bias):
+def _intx_bf16_gemm_applies(x, w) -> bool:
+    return _many_bf16_rows(x, w) and _fields_fit(w)
+
+
+@register_kernel("linear", "IntxTensor", "cpu_intx_bf16_gemm", backend="cpu", priority=30, device="cpu",
+                 needs=(CPU_EXT, BF16_GEMM), when=_intx_bf16_gemm_applies)
+def intx_bf16_gemm_linear(x, w, bias):
     """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
     x = w.simulate_input_quantization(x)
     weight = intx_dequantize(w.qdata, w.scale, w.zero, w.bits, w.block_size[-1], _in_features(w), x.dtype)

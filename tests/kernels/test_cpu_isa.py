@@ -18,11 +18,12 @@ from hf_aoq.kernels import cpu_ext, cpu_gemm, cpu_isa, registry, select_kernel
 from hf_aoq.kernels.reference import reference_linear
 from hf_aoq.tensors.float8 import PerTensor
 
-AMX = cpu_isa.bf16_gemm_isa() == "amx"
+BF16_GEMM = cpu_isa.bf16_gemm_isa()  # "amx", "avx512_bf16" or None
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
 needs_bf16_gemm = pytest.mark.skipif(
-    not AMX or not cpu_ext.available(),
-    reason=f"this CPU (or OS) allows no AMX-BF16 ({cpu_isa.describe()['flags']}): the AMX bf16-GEMM rows are skipped",
+    BF16_GEMM is None or not cpu_ext.available(),
+    reason=f"this CPU (or OS) allows neither AMX-BF16 nor AVX512-BF16 ({cpu_isa.describe()['flags']}): "
+           "the bf16-GEMM rows are skipped",
 )
 
 
@@ -74,7 +75,7 @@ def _weights(n=64, k=320):
     }
 
 
-FORMAT = {"int4 g64": "int4", "int4 g128 padded": "int4", "int4dq": "int4", "int8": "int8", "int8 dynamic": "int8",
+FORMAT = {"int4 g64": "int4", "int4 g128 padded": "int4", "int4dq": "int4dq", "int8": "int8", "int8 dynamic": "int8",
           "fp8 e4m3 per row": "fp8", "fp8 e5m2 per tensor": "fp8"}
 
 
@@ -82,12 +83,12 @@ FORMAT = {"int4 g64": "int4", "int4 g128 padded": "int4", "int4dq": "int4", "int
 @pytest.mark.parametrize("name", list(FORMAT))
 def test_bf16_gemm_rows_equal_the_reference_exactly(name):
     w = _weights()[name]
-    rows = cpu_gemm.MIN_ROWS[FORMAT[name]]
+    rows = cpu_gemm.min_rows(FORMAT[name])
     bias = torch.randn(w.shape[0])
     for shape in ((rows, w.shape[1]), (2, rows + 3, w.shape[1])):
         x = torch.randn(*shape, dtype=torch.bfloat16)
         kernel = select_kernel("linear", x, w)
-        assert kernel.name.endswith("_amx_gemm"), kernel.name
+        assert kernel.name.endswith("_bf16_gemm"), kernel.name
         for b in (None, bias):
             y, ref = F.linear(x, w, b), reference_linear(x, w, b)
             assert y.dtype == torch.bfloat16 and y.shape == ref.shape
@@ -115,23 +116,32 @@ def test_dequantized_weights_equal_the_references_bit_for_bit(dtype):
 @needs_bf16_gemm
 def test_bf16_gemm_rows_apply_only_where_they_win(fresh_probes):
     w = _weights()["int4 g64"]
-    rows = cpu_gemm.MIN_ROWS["int4"]
-    gemm = "cpu_int4_amx_gemm"
-    assert select_kernel("linear", torch.randn(rows - 1, w.shape[1], dtype=torch.bfloat16), w).name != gemm
+    gemm = "cpu_int4_bf16_gemm"
+
+    def chosen(rows, dtype=torch.bfloat16):
+        return select_kernel("linear", torch.randn(rows, w.shape[1], dtype=dtype), w).name
+
+    rows = cpu_gemm.min_rows("int4")
+    assert rows == cpu_gemm.MIN_ROWS[BF16_GEMM]["int4"]
+    assert chosen(rows - 1) != gemm and chosen(rows) == gemm
     for dtype in (torch.float32, torch.float16):  # float16: no AMX-FP16 here, the fp16 GEMM is slower
-        assert select_kernel("linear", torch.randn(rows, w.shape[1], dtype=dtype), w).name != gemm
-    x = torch.randn(rows, w.shape[1], dtype=torch.bfloat16)
-    assert select_kernel("linear", x, w).name == gemm
-    for isa in ("avx512", "avx2"):  # a CPU without AMX (AVX512-BF16 GEMMs measured slower), or without AVX-512
-        fresh_probes.setenv("HF_AOQ_CPU_ISA", isa)
-        registry.forget_capabilities()
-        assert select_kernel("linear", x, w).name == "cpu_int4_ext", isa
+        assert chosen(rows, dtype) != gemm
+    # Without AMX (taken away, or absent) AVX512-BF16's own limit applies; without AVX-512 there is no
+    # native bf16 GEMM and the row never runs.
+    fresh_probes.setenv("HF_AOQ_CPU_ISA", "avx512")
+    registry.forget_capabilities()
+    assert cpu_isa.bf16_gemm_isa() == "avx512_bf16"
+    rows = cpu_gemm.MIN_ROWS["avx512_bf16"]["int4"]
+    assert cpu_gemm.min_rows("int4") == rows and chosen(rows - 1) == "cpu_int4_ext" and chosen(rows) == gemm
+    fresh_probes.setenv("HF_AOQ_CPU_ISA", "avx2")
+    registry.forget_capabilities()
+    assert chosen(4 * rows) == "cpu_int4_ext"
 
 
 @needs_bf16_gemm
 def test_bf16_gemm_rows_compile_without_graph_breaks():
     w = _weights()["int8"]
-    x = torch.randn(cpu_gemm.MIN_ROWS["int8"], w.shape[1], dtype=torch.bfloat16)
+    x = torch.randn(cpu_gemm.min_rows("int8"), w.shape[1], dtype=torch.bfloat16)
     f = torch.compile(lambda x: F.linear(x, w), fullgraph=True)
     assert torch.equal(f(x), reference_linear(x, w, None))
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq.kernels import cpu_ext, cpu_fpx, registry
+from hf_aoq.kernels import cpu_ext, cpu_fpx, cpu_gemm, registry
 from hf_aoq.tensors.fpx import FORMATS, FPxTensor
 
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's C++ extension is not built here")
@@ -165,7 +165,8 @@ def test_fpx_tensors_run_the_kernel_and_agree_with_the_reference_kernel(fmt):
     gen = torch.Generator().manual_seed(sum(fmt))
     w = FPxTensor.from_float(torch.randn(40, 333, generator=gen).to(torch.bfloat16), *fmt)
     reference = next(k for k in registry.kernels_for("linear", "FPxTensor") if k.name == "reference")
-    for rows in (1, 4, 7, 63):  # the GEMV, then float32 dequantize + GEMM (64 and more on AMX: the AMX row)
+    # The GEMV, then float32 dequantize + GEMM up to the bf16-GEMM row's rows (64 on AMX, 12 on AVX512-BF16).
+    for rows in (1, 4, 7, max(cpu_gemm.min_rows("fpx") - 1, 8)):
         x = torch.randn(rows, 333, generator=gen).to(torch.bfloat16)
         assert registry.select_kernel("linear", x, w).name == "cpu_fpx_ext"
         y, ref = F.linear(x, w), reference.fn(x, w, None)
@@ -177,9 +178,9 @@ def test_fpx_tensors_run_the_kernel_and_agree_with_the_reference_kernel(fmt):
 
 @needs_ext
 def test_amx_row_gives_the_references_bits():
-    amx = next(k for k in registry.kernels_for("linear", "FPxTensor") if k.name == "cpu_fpx_amx_gemm")
+    amx = next(k for k in registry.kernels_for("linear", "FPxTensor") if k.name == "cpu_fpx_bf16_gemm")
     w = FPxTensor.from_float(torch.randn(24, 256).to(torch.bfloat16), 2, 3)
-    x = torch.randn(cpu_fpx.FPX_AMX_MIN_ROWS, 256, dtype=torch.bfloat16)
+    x = torch.randn(cpu_gemm.min_rows("fpx"), 256, dtype=torch.bfloat16)
     assert amx.when(x, w) and not amx.when(x[:-1], w) and not amx.when(x.float(), w)
     assert torch.equal(amx.fn(x, w, None), F.linear(x, w.dequantize(torch.bfloat16)))
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_aoq.kernels import cpu_ext, cpu_intx, registry
+from hf_aoq.kernels import cpu_ext, cpu_gemm, cpu_intx, registry
 from hf_aoq.kernels.common import quantize_int8_per_token
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's C++ extension is not built here")
@@ -172,7 +172,7 @@ def test_bad_fields_are_refused():
 # ---------------------------------------------------------------------- the table rows
 def test_table_rows_run_the_kernel_for_intx_weights():
     rows = [k.name for k in registry.kernels_for("linear", "IntxTensor")]
-    assert "cpu_intx_ext" in rows and "cpu_intx_amx_gemm" in rows
+    assert "cpu_intx_ext" in rows and "cpu_intx_bf16_gemm" in rows
     ext = next(k for k in registry.kernels_for("linear", "IntxTensor") if k.name == "cpu_intx_ext")
     w = make_weight(24, 256, 6, 128, False, torch.bfloat16)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
@@ -186,9 +186,9 @@ def test_table_rows_run_the_kernel_for_intx_weights():
 
 
 def test_amx_row_gives_the_references_bits():
-    amx = next(k for k in registry.kernels_for("linear", "IntxTensor") if k.name == "cpu_intx_amx_gemm")
+    amx = next(k for k in registry.kernels_for("linear", "IntxTensor") if k.name == "cpu_intx_bf16_gemm")
     w = make_weight(24, 256, 3, 32, True, torch.bfloat16)
-    x = torch.randn(cpu_intx.INTX_AMX_MIN_ROWS, 256, dtype=torch.bfloat16)
+    x = torch.randn(cpu_gemm.min_rows("intx"), 256, dtype=torch.bfloat16)
     assert amx.when(x, w) and not amx.when(x[:-1], w)
     weight = dense64(w).float().to(torch.bfloat16)
     assert torch.equal(amx.fn(x, w, None), torch.nn.functional.linear(x, weight))

@@ -160,10 +160,10 @@ def test_placed_int4_rows_follow_dtype_rows_fields_and_the_isa_variable(ran, mon
             F.linear(x1, w)
         assert ran == ["cpu_int4_ext"] * 3
         del ran[:]
-        many = torch.randn(1, cpu_gemm.MIN_ROWS["int4"], 256, dtype=torch.bfloat16)
+        many = torch.randn(1, cpu_gemm.min_rows("int4"), 256, dtype=torch.bfloat16)
         F.linear(many, w)
         amx = registry.capable(cpu_gemm._NEEDS, torch.device("cpu"))
-        assert ran == ["cpu_int4_amx_gemm" if amx else "cpu_int4_ext"]
+        assert ran == ["cpu_int4_bf16_gemm" if amx else "cpu_int4_ext"]
         if amx:  # HF_AOQ_CPU_ISA=none takes AMX away once the capabilities are probed again
             monkeypatch.setenv("HF_AOQ_CPU_ISA", "none")
             registry.forget_capabilities()
