@@ -113,6 +113,26 @@ def test_dequantized_weights_equal_the_references_bit_for_bit(dtype):
         assert torch.equal(got, w.dequantize(dtype)), name
 
 
+@needs_ext
+@pytest.mark.parametrize("n, k, group", [(48, 334, 64), (80, 202, 32), (16, 98, 32), (32, 256, 256), (96, 100, 128)])
+def test_int4_dequantized_weights_equal_the_references_for_part_blocks_and_columns(n, k, group):
+    # Full 32-row blocks and a last block of 16 rows; columns not a multiple of 8 (the last group
+    # padded) and a K of one group; every group size.
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
+    weights = [Int4Tensor.from_float(w, group).place()]
+    if group in (32, 64):
+        weights.append(Int4DQTensor.from_float(w, group).place())
+    for q in weights:
+        if isinstance(q, Int4DQTensor):
+            got = cpu_gemm.int4dq_dequantize(q.qdata, q.gparams, q.rparams, q.tparams, group, k, torch.bfloat16)
+        else:
+            got = cpu_gemm.int4_dequantize(q.qdata, q.scale, group, k, torch.bfloat16)
+        want = q.dequantize(torch.bfloat16)
+        assert got.shape == want.shape == (n, k)
+        assert torch.equal(got, want), (type(q).__name__, (got.float() - want.float()).abs().max())
+
+
 @needs_bf16_gemm
 def test_bf16_gemm_rows_apply_only_where_they_win(fresh_probes):
     w = _weights()["int4 g64"]
