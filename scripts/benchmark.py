@@ -61,8 +61,9 @@ TINY_MOE = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 # int8dyn (int8 weights, dynamic per-token int8 activations), fp8 (e4m3 weight-only, per row),
 # fp8dyn (e4m3 weights and dynamic activations, per row).
 # hf_aoq only: int4dq (Int4DQTensor, groups of 32 with 4-bit group parameters: the command line's
-# int4), and int4-head, int4 with lm_head quantized too (int4 g128; a tied lm_head is untied
-# first), since at batch 1 the bf16 lm_head is the largest single weight read per token.
+# int4), and int4-head / int8-head, int4 / int8 with lm_head quantized too (int4 g128; a tied
+# lm_head is untied first), since at batch 1 the bf16 lm_head is the largest single weight read per
+# token (and llama.cpp's Q4_0 / Q8_0 quantize it: bench_llama_cpp.PAIRS).
 # The rest are hf_aoq.configs.config_for_scheme's names, with its defaults: int2..int6 (IntxTensor,
 # groups of 32), int8-int2..int8-int6 (the same with int8 per-token activations), int8-int4,
 # fp8-int4, int4-int4 (Int4Tensor with activations quantized per token) and fp8-static (float8
@@ -82,6 +83,8 @@ for _s in SCHEMES:
     if _s == "int4":
         CONFIGS["int4dq"] = ("hf_aoq", "int4dq")
         CONFIGS["int4-head"] = ("hf_aoq", "int4-head")
+    if _s == "int8":
+        CONFIGS["int8-head"] = ("hf_aoq", "int8-head")
 for _s in NAMED_SCHEMES:
     CONFIGS[_s] = ("hf_aoq", _s)
 for _s in SCHEMES:
@@ -113,9 +116,9 @@ def hf_aoq_config(scheme: str, recipe=None):
         return hf_aoq.Int4WeightOnlyConfig(group_size=128)
     if scheme == "int4dq":
         return hf_aoq.Int4DQWeightOnlyConfig()
-    if scheme == "int4-head":
-        int4 = hf_aoq.Int4WeightOnlyConfig(group_size=128)
-        return hf_aoq.FqnToConfig({"_default": int4, "lm_head": int4})
+    if scheme in ("int4-head", "int8-head"):  # lm_head quantized too, as llama.cpp's Q4_0 (Q6_K) and Q8_0 do
+        body = hf_aoq.Int4WeightOnlyConfig(group_size=128) if scheme == "int4-head" else hf_aoq.Int8WeightOnlyConfig()
+        return hf_aoq.FqnToConfig({"_default": body, "lm_head": body})
     return {
         "int8": hf_aoq.Int8WeightOnlyConfig,
         "int8dyn": hf_aoq.Int8DynamicActivationInt8WeightConfig,
@@ -132,7 +135,7 @@ def quantization_config(backend: str, scheme: str, recipe=None):
     if backend == "hf_aoq":
         import hf_aoq
 
-        return hf_aoq.AOQConfig(hf_aoq_config(scheme, recipe), untie_embedding_weights=scheme == "int4-head")
+        return hf_aoq.AOQConfig(hf_aoq_config(scheme, recipe), untie_embedding_weights=scheme.endswith("-head"))
     if backend == "torchao":
         import torchao.quantization as tq
         from transformers import TorchAoConfig

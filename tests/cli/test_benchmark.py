@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 def test_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4dq,int4-head,quanto-int8",
+        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4dq,int4-head,int8-head,quanto-int8",
          "--no-fidelity", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32",
          "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "2", "--threads", "1"],
         capture_output=True, text=True, timeout=300,
@@ -26,7 +26,7 @@ def test_benchmark_runs_end_to_end(tmp_path):
     report = json.loads(out.read_text())
     assert report["read_bandwidth_bytes_per_s"] > 0
     results = report["results"]
-    for name in ("bf16", "int4", "int4dq", "int4-head"):
+    for name in ("bf16", "int4", "int4dq", "int4-head", "int8-head"):
         r = results[name]
         assert "error" not in r and "reload_error" not in r, r
         for key in ("load_s", "load_peak_rss_mb", "prefill_s", "decode_tps", "save_bytes", "reload_s",
@@ -47,6 +47,7 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert "% of limit" in result.stdout and "decode b16 tok/s" in result.stdout and "kernels in prefill" in result.stdout
     assert results["int4"]["model_bytes"] < results["bf16"]["model_bytes"]
     assert results["int4-head"]["model_bytes"] < results["int4"]["model_bytes"]  # lm_head quantized too
+    assert any(k.startswith("linear Int8Tensor: ") for k in results["int8-head"]["kernels_decode"])
     assert results["int4"]["save_bytes"] < results["bf16"]["save_bytes"]
     assert results["bf16"]["vs_bf16"]["model_bytes"] == 1.0
     # optimum-quanto is optional: either it ran, or it was skipped with a note

@@ -148,10 +148,13 @@ def test_parse_bench_requires_both_tests():
 
 
 def test_ratios_pair_the_same_bits():
-    ours = {"int8": {"decode_tps": 20.0, "prefill_s": 1.0, "model_bytes": 100}, "bf16": {"decode_tps": 5.0}}
-    theirs = {"Q8_0": {"decode_tps": 10.0, "prefill_s": 2.0, "model_bytes": 50}, "Q4_0": {"decode_tps": 30.0}}
+    ours = {"int8": {"decode_tps": 20.0, "prefill_s": 1.0, "model_bytes": 100}, "bf16": {"decode_tps": 5.0},
+            "int4-head": {"decode_tps": 15.0, "prefill_s": 3.0, "model_bytes": 40}}
+    theirs = {"Q8_0": {"decode_tps": 10.0, "prefill_s": 2.0, "model_bytes": 50}, "Q4_0": {"decode_tps": 30.0,
+              "prefill_s": 1.5, "model_bytes": 20}}
     got = lc.ratios(ours, theirs)
-    assert got == {"int8 / llama.cpp Q8_0": {"decode_tps": 2.0, "prefill_s": 0.5, "model_bytes": 2.0}}
+    assert got == {"int8 / llama.cpp Q8_0": {"decode_tps": 2.0, "prefill_s": 0.5, "model_bytes": 2.0},
+                   "int4-head / llama.cpp Q4_0": {"decode_tps": 0.5, "prefill_s": 2.0, "model_bytes": 2.0}}
 
 
 def test_benchmark_reports_llama_cpp_rows_and_ratios(tmp_path, fake_llama_cpp):
