@@ -143,7 +143,8 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
     p.add_argument("--refine", type=int, default=0, metavar="N",
                    help="with --bits: N rounds of in-context refinement: measure each layer's cost again with the "
                         "chosen recipe applied, choose again, keep the recipe of least calibration loss (each round "
-                        "costs about one more measurement; SmolLM2 at 3.5 bits: 38.08 against 38.53)")
+                        "costs about one more measurement; SmolLM2 at 3.5 bits: 38.08 against 38.53 after one round, "
+                        "but a second round lost more than that: docs/sensitivity.md)")
     p.add_argument("--calibration-method", choices=["gptq", "awq", "smoothquant"], default="gptq",
                    help="what --calibration chooses: gptq (int4-plain weights, default), awq (activation-aware "
                         "scales for int4 and int4-plain), smoothquant (for int8-dyn); awq and smoothquant fold "
