@@ -269,8 +269,10 @@ class _Analysis:
     """The hooks of one analysis: forward hooks keep each reading module's input and output
     size; a hook on its output's gradient measures every candidate for the weight it reads."""
 
-    def __init__(self, model, decisions: dict[str, Decision], candidates: list[Candidate]):
+    def __init__(self, model, decisions: dict[str, Decision], candidates: list[Candidate],
+                 reference: dict[str, torch.Tensor] | None = None):
         self.model = model
+        self.reference = reference or {}  # {weight name: the float weight the candidates quantize}
         self.candidates = [c for c in candidates if c.config is not None]
         self.decisions = decisions
         self.sums = {(n, c.name): _Accumulator() for n in decisions for c in self.candidates}
@@ -307,7 +309,9 @@ class _Analysis:
         return hook
 
     def _measure(self, name, module, x, out2, g):
-        w = self.model.get_parameter(name).detach()
+        w = self.reference.get(name)
+        if w is None:
+            w = self.model.get_parameter(name).detach()
         wf = w.float()
         embedding = isinstance(module, nn.Embedding)
         g = g.reshape(-1, g.shape[-1]).float()
@@ -393,6 +397,7 @@ def sensitivity(
     include_embeddings: bool = True,
     decisions: dict[str, Decision] | None = None,
     exact: int = 0,
+    reference: dict[str, torch.Tensor] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> SensitivityReport:
     """Measure every candidate on every weight of `model` in scope (see the module docstring).
@@ -402,7 +407,11 @@ def sensitivity(
     `tokens` tokens in BOS-prefixed windows of `window`. The scope is `decisions` (a plan from
     hf_aoq.quantize.plan) or every linear and embedding weight `filter_fn` accepts. `exact`:
     also measure the exact loss change of quantizing only that weight, for the `exact` weights
-    with the largest predicted change (one forward pass over the calibration tokens each)."""
+    with the largest predicted change (one forward pass over the calibration tokens each).
+    `reference` ({weight name: float weight}): the candidates quantize these weights instead of
+    the model's own, and each change is measured from them, while the model runs with its own
+    values: the measurement in context of hf_aoq.mixed_precision.refine_recipe, whose model
+    holds a recipe's dequantized weights and whose reference is the float model's."""
     start = time.perf_counter()
     candidates = parse_candidates(candidates)
     batches = calibration_batches(calibration, tokenizer, tokens=tokens, window=window, batch_windows=batch_windows)
@@ -416,7 +425,12 @@ def sensitivity(
                            f"{type(model.get_parameter(name)).__name__}")
     if not decisions:
         raise AOQError("sensitivity: no weight in scope (no linear or embedding the filter accepts)")
-    analysis = _Analysis(model, decisions, candidates)
+    if reference:
+        for name, w in reference.items():
+            if name not in decisions or tuple(w.shape) != tuple(decisions[name].shape):
+                raise AOQError(f"sensitivity reference {name!r}: not a weight in scope of shape "
+                               f"{tuple(decisions[name].shape) if name in decisions else '(none)'}, got {tuple(w.shape)}")
+    analysis = _Analysis(model, decisions, candidates, reference)
     if len(batches) > 1 and any(c.calibration for c in candidates):
         analysis.grams = input_grams(model, decisions, batches)
     grad_flags = {n: p.requires_grad for n, p in model.named_parameters()}

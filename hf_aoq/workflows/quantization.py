@@ -44,7 +44,7 @@ def load_recipe(path):
 
 
 def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calibration=None, calibration_tokens=2048,
-                     calibration_method="gptq", *, bits=None, candidates=None, gptq_order=None):
+                     calibration_method="gptq", *, bits=None, candidates=None, gptq_order=None, refine=0):
     """The AOQConfig for `hf-aoq quantize`: `scheme` (+ `group_size`, which changes only that
     scheme's group size, never its type) is the config of every linear layer the recipe does
     not name; a `recipe` (FqnToConfig, or a path to its JSON) comes first; `skip` names modules
@@ -53,7 +53,10 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
     Int4DQ) or "smoothquant" (int8-dyn). `bits` asks for mixed precision at that average (among
     `candidates`, comma-separated scheme names), measured on `calibration`; it replaces `scheme`
     and `recipe`. `gptq_order` ("act", the default, or "sequential": left to right) is the column
-    order of GPTQ on `calibration` (AOQConfig.gptq_order)."""
+    order of GPTQ on `calibration` (AOQConfig.gptq_order). `refine` (with `bits`): rounds of
+    in-context refinement of the choice (AOQConfig.refine_rounds)."""
+    if refine and bits is None:
+        raise UsageError("--refine refines a mixed-precision choice: give --bits too")
     if gptq_order is not None:
         if calibration is None or calibration_method != "gptq":
             raise UsageError("--gptq-order is the column order of GPTQ: it needs --calibration FILE (and "
@@ -62,7 +65,7 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
             raise UsageError("--gptq-order does not apply to --bits: each candidate names its own order "
                              "(+gptq: left to right, +gptq-act: act order)")
     if bits is not None or candidates is not None:
-        return _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens)
+        return _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens, refine)
     from ..configs import FqnToConfig, config_for_scheme
     from ..integrations.transformers import AOQConfig
 
@@ -104,7 +107,7 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
         raise UsageError(str(e)) from None
 
 
-def _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens):
+def _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration, calibration_tokens, refine=0):
     from ..integrations.transformers import AOQConfig
 
     if bits is None:
@@ -118,7 +121,8 @@ def _mixed_precision_config(bits, candidates, scheme, recipe, skip, calibration,
     names = None if candidates is None else [c.strip() for c in candidates.split(",") if c.strip()]
     try:
         return AOQConfig(None, modules_to_not_convert=list(skip) if skip else None, calibration=calibration,
-                         calibration_tokens=calibration_tokens, target_bits_per_weight=bits, candidates=names)
+                         calibration_tokens=calibration_tokens, target_bits_per_weight=bits, candidates=names,
+                         refine_rounds=refine or 0)
     except AOQError as e:
         raise UsageError(str(e)) from None
 

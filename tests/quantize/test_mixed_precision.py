@@ -177,3 +177,61 @@ def test_sub_four_bit_candidates_fill_a_budget_below_int4():
         weight = model.get_parameter(name)
         assert isinstance(weight, IntxTensor) == (scheme != "int4")
     assert math.isfinite(mean_loss(model, [markov_tokens(16, 65, seed=3)]))
+
+
+def test_refine_measures_the_recipe_in_context_and_keeps_the_best_measured():
+    """refine_recipe: each round's report is measured on the recipe's model (its calibration
+    loss is that model's own), the choice stays within budget, and the recipe returned is the
+    one of least measured calibration loss, no worse than the first choice."""
+    import copy
+
+    from hf_aoq.mixed_precision import apply_plan, refine_recipe
+    from hf_aoq.sensitivity import analysis_plan, parse_candidates, sensitivity
+
+    names = "int4,int3-asym:g64,int3-asym:g128,int2-asym:g32"
+    model = trained_tiny_model(30)
+    calibration = [markov_tokens(8, 65, seed=2)]
+    decisions = analysis_plan(model, parse_candidates(names), include_embeddings=False)
+    report = sensitivity(model, names, calibration, decisions=decisions)
+    first = choose_recipe(report, 4.1)
+    logged = []
+    chosen, in_context = refine_recipe(model, first, report, decisions, calibration, rounds=2, log=logged.append)
+    assert chosen.bits_per_weight <= 4.1 and in_context.base_loss == report.base_loss
+    assert logged and logged[0].startswith("refine round 1: the recipe's calibration loss")
+
+    def measured(plan):
+        m = copy.deepcopy(model)
+        apply_plan(m, plan, decisions, calibration)
+        return mean_loss(m, calibration)
+
+    first_loss = float(logged[0].split("calibration loss ")[1].split()[0])
+    assert first_loss == pytest.approx(measured(first), abs=2e-3)  # the in-context report ran the recipe's model
+    assert measured(chosen) <= measured(first) + 1e-6
+    assert refine_recipe(model, first, report, decisions, calibration, rounds=0)[0] is first
+    with pytest.raises(AOQError, match="non-negative integer"):
+        refine_recipe(model, first, report, decisions, calibration, rounds=-1)
+    with pytest.raises(AOQError, match="non-negative integer"):
+        quantize_mixed_precision(trained_tiny_model(30), 4.1, names, calibration, refine=True)
+
+
+def test_refine_rounds_through_aoq_config_and_the_command_line(tiny_llama_dir, tmp_path, capsys):
+    text = _text(tmp_path / "t.txt")
+    config = AOQConfig(target_bits_per_weight=6.0, candidates=["int4", "int8"], calibration=str(text),
+                       calibration_tokens=256, refine_rounds=1)
+    assert config.to_dict()["refine_rounds"] == 1 and AOQConfig.from_dict(config.to_dict()) == config
+    assert "refine_rounds" not in AOQConfig(target_bits_per_weight=6.0, calibration=str(text)).to_dict()
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config, dtype=torch.bfloat16)
+    chosen, _ = model.hf_quantizer.mixed_precision
+    assert chosen.bits_per_weight <= 6.0 and all(isinstance(model.get_parameter(n), AOQTensor) for n in chosen.choices)
+    for bad, message in ((dict(refine_rounds=-1), "non-negative integer"), (dict(refine_rounds=True), "non-negative integer")):
+        with pytest.raises(AOQError, match=message):
+            AOQConfig(target_bits_per_weight=6.0, calibration=str(text), **bad)
+    with pytest.raises(AOQError, match="give target_bits_per_weight too"):
+        AOQConfig(Int8WeightOnlyConfig(), refine_rounds=1)
+    out = tmp_path / "m"
+    rc = cli.main(["quantize", str(tiny_llama_dir), "--bits", "6", "--schemes", "int4,int8", "--refine", "1",
+                   "--calibration", str(text), "--calibration-tokens", "256", "--out", str(out), "--no-measure"])
+    assert rc == 0 and json.loads((out / "config.json").read_text())["quantization_config"]["refine_rounds"] == 1
+    capsys.readouterr()
+    assert cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--refine", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "give --bits too" in capsys.readouterr().err

@@ -180,3 +180,29 @@ def test_asymmetric_intx_candidates_are_scheme_names_with_a_group_size():
     assert bits == 3.5  # 3 + (16 + 16) / 64
     with pytest.raises(AOQError, match="group size must be one of"):
         parse_candidate("int3-asym:g48")
+
+
+def test_a_reference_weight_is_what_the_candidates_quantize(trained, calibration):
+    """`reference`: the candidates quantize (and measure from) the given float weights while
+    the model runs with its own; with the model's own weights it is the plain report."""
+    import copy
+
+    names = [n for n, _ in trained.named_parameters() if n.endswith("weight") and "norm" not in n]
+    plain = sensitivity(trained, "int8,int4", calibration)
+    same = sensitivity(trained, "int8,int4", calibration, reference={n: trained.get_parameter(n).detach() for n in names
+                                                                     if n in {l.name for l in plain.layers}})
+    assert same.to_dict()["layers"] == plain.to_dict()["layers"]
+    moved = copy.deepcopy(trained)
+    with torch.no_grad():
+        for layer in plain.layers:
+            moved.get_parameter(layer.name).add_(0.05 * torch.randn_like(moved.get_parameter(layer.name)))
+    reference = {l.name: trained.get_parameter(l.name).detach() for l in plain.layers}
+    in_context = sensitivity(moved, "int8,int4", calibration, reference=reference)
+    on_moved = sensitivity(moved, "int8,int4", calibration)
+    for a, b, c in zip(plain.layers, in_context.layers, on_moved.layers):
+        for name in ("int8", "int4"):  # the tensor is the reference's; the loss change is the moved model's
+            assert b.results[name].weight_sqnr_db == a.results[name].weight_sqnr_db != c.results[name].weight_sqnr_db
+            assert b.results[name].nbytes == a.results[name].nbytes
+    assert [l.results["int4"].loss_delta for l in in_context.layers] != [l.results["int4"].loss_delta for l in plain.layers]
+    with pytest.raises(AOQError, match="sensitivity reference 'nope'"):
+        sensitivity(trained, "int8", calibration, reference={"nope": torch.zeros(2, 2)})

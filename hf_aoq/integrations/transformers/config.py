@@ -31,6 +31,7 @@ _CONFIG_KEYS = (
     "calibration_method",
     "stored_transposed",
     "gptq_order",
+    "refine_rounds",
 )
 # The schemes mixed precision chooses among when AOQConfig(target_bits_per_weight=...) names none.
 DEFAULT_CANDIDATES = ("int4:g64", "int4", "int8")
@@ -72,6 +73,10 @@ class AOQConfig(QuantizationConfigMixin):
                              "sequential" (left to right, what calibration did before; on SmolLM2
                              act order is better: Int4DQ g32 31.12 against 31.94); mixed
                              precision's "+gptq" / "+gptq-act" candidates name their own order
+    refine_rounds            with target_bits_per_weight: rounds of hf_aoq.mixed_precision.refine_recipe
+                             (measure the report again with the chosen recipe applied, choose
+                             again, keep the recipe of least calibration loss); default 0, none.
+                             Each round costs about one more report
     stored_transposed        names of 3-D parameters stored as the transpose of the model's (a
                              quantized [E, out, in] for gpt-oss's [E, in, out] experts: what
                              `hf-aoq convert` makes of transformers' Mxfp4 checkpoints, whose MX
@@ -95,6 +100,7 @@ class AOQConfig(QuantizationConfigMixin):
         calibration_method: str = "gptq",
         stored_transposed: list[str] | None = None,
         gptq_order: str = "act",
+        refine_rounds: int = 0,
     ):
         include_input_output_embeddings = _one_of_two_names(include_input_output_embeddings, include_embeddings)
         for name, value in (
@@ -141,6 +147,11 @@ class AOQConfig(QuantizationConfigMixin):
         if gptq_order not in GPTQ_ORDERS:
             raise AOQError(f"AOQConfig.gptq_order must be one of {GPTQ_ORDERS}, got {gptq_order!r}")
         self.gptq_order = gptq_order
+        if isinstance(refine_rounds, bool) or not isinstance(refine_rounds, int) or refine_rounds < 0:
+            raise AOQError(f"AOQConfig.refine_rounds must be a non-negative integer, got {refine_rounds!r}")
+        if refine_rounds and target_bits_per_weight is None:
+            raise AOQError("AOQConfig.refine_rounds refines a mixed-precision choice: give target_bits_per_weight too")
+        self.refine_rounds = refine_rounds
         if stored_transposed is not None and (isinstance(stored_transposed, str)
                                               or not all(isinstance(n, str) and n for n in stored_transposed)):
             raise AOQError(f"AOQConfig.stored_transposed must be a list of parameter names, got {stored_transposed!r}")
@@ -175,6 +186,7 @@ class AOQConfig(QuantizationConfigMixin):
             **({"calibration_method": self.calibration_method} if self.calibration_method != "gptq" else {}),
             **({"stored_transposed": list(self.stored_transposed)} if self.stored_transposed else {}),
             **({"gptq_order": self.gptq_order} if self.gptq_order != "act" else {}),
+            **({"refine_rounds": self.refine_rounds} if self.refine_rounds else {}),
         }
 
     @classmethod
@@ -240,6 +252,10 @@ class AOQConfig(QuantizationConfigMixin):
         if gptq_order not in GPTQ_ORDERS:
             raise FormatError(f"{where}.gptq_order: expected one of {GPTQ_ORDERS}, got {gptq_order!r}")
         args["gptq_order"] = gptq_order
+        rounds = config_dict.get("refine_rounds", 0)
+        if isinstance(rounds, bool) or not isinstance(rounds, int):
+            raise FormatError(f"{where}.refine_rounds: expected an integer, got {rounds!r}")
+        args["refine_rounds"] = rounds
         transposed = config_dict.get("stored_transposed")
         if transposed is not None and not (isinstance(transposed, list) and all(isinstance(n, str) for n in transposed)):
             raise FormatError(f"{where}.stored_transposed: expected a list of parameter names or null, got {transposed!r}")

@@ -400,7 +400,7 @@ class AOQHfQuantizer(HfQuantizer):
         config = self.quantization_config
         batches = [torch.cat(windows)]  # one pass: every weight is quantized once per candidate
         chosen, _ = quantize_mixed_precision(model, config.target_bits_per_weight, config.candidates, batches,
-                                             decisions=self._plan)
+                                             decisions=self._plan, refine=config.refine_rounds)
         config.quant_type = chosen.recipe
         measured = math.exp(mean_loss(model, batches))
         self.mixed_precision = (chosen, measured)
