@@ -83,15 +83,8 @@ def fpx_cpu_linear(x, w, bias):
     return fpx_linear_io(x, w.qdata, w.scale, w.ebits, w.mbits, _in_features(w), bias)
 
 
-_many_bf16_rows = many_bf16_rows("fpx")
-
-
-def _fpx_bf16_gemm_applies(x, w) -> bool:
-    return _many_bf16_rows(x, w) and _fields_fit(w)
-
-
 @register_kernel("linear", "FPxTensor", "cpu_fpx_bf16_gemm", backend="cpu", priority=30, device="cpu",
-                 needs=(CPU_EXT, BF16_GEMM), when=_fpx_bf16_gemm_applies)
+                 needs=(CPU_EXT, BF16_GEMM), when=many_bf16_rows("fpx", _fields_fit))
 def fpx_bf16_gemm_linear(x, w, bias):
     """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
     weight = fpx_dequantize(w.qdata, w.scale, w.ebits, w.mbits, _in_features(w), x.dtype)

@@ -64,10 +64,11 @@ def min_rows(fmt: str, device: torch.device = torch.device("cpu")) -> int:
     return MIN_ROWS["amx" if capable((BF16_GEMM_AMX,), device) else "avx512_bf16"][fmt]
 
 
-def many_bf16_rows(fmt):
-    """`when` of fmt's bf16-GEMM row: bf16 activations, at least min_rows(fmt) of them."""
+def many_bf16_rows(fmt, fits=None):
+    """`when` of fmt's bf16-GEMM row: bf16 activations, at least min_rows(fmt) of them, and (with
+    `fits`) a weight whose fields the C++ reads."""
     def when(x, w) -> bool:
-        return x.dtype in HALF and _rows(x) >= min_rows(fmt, x.device)
+        return x.dtype in HALF and _rows(x) >= min_rows(fmt, x.device) and (fits is None or fits(w))
     return when
 
 

@@ -106,15 +106,8 @@ def intx_cpu_linear(x, w, bias):
                           w.act_quant == "per_token")
 
 
-_many_bf16_rows = many_bf16_rows("intx")
-
-
-def _intx_bf16_gemm_applies(x, w) -> bool:
-    return _many_bf16_rows(x, w) and _fields_fit(w)
-
-
 @register_kernel("linear", "IntxTensor", "cpu_intx_bf16_gemm", backend="cpu", priority=30, device="cpu",
-                 needs=(CPU_EXT, BF16_GEMM), when=_intx_bf16_gemm_applies)
+                 needs=(CPU_EXT, BF16_GEMM), when=many_bf16_rows("intx", _fields_fit))
 def intx_bf16_gemm_linear(x, w, bias):
     """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
     x = w.simulate_input_quantization(x)
