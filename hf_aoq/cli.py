@@ -129,7 +129,8 @@ def add_quantize_arguments(p: argparse.ArgumentParser, *, out_required: bool = T
                         "vLLM's 4-bit kernels cannot run stay in float. gguf (llama.cpp): int4 schemes become "
                         "symmetric int4 in groups of 32 (Q4_0), int8 groups of 32 with fp16 scales (Q8_0)")
     p.add_argument("--calibration", metavar="FILE",
-                   help="a text file: choose int4-plain weights by GPTQ on it, and fp8-static's activation scales "
+                   help="a text file: choose int4 (Int4DQ), int4-plain and intx weights by GPTQ on it (SmolLM2, "
+                        "int4: 31.12 against 31.60 rounded, bf16 30.99), and fp8-static's activation scales "
                         "(slower; loads the float model first)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
                    help="how many tokens of --calibration to use (default 2048)")

@@ -76,10 +76,6 @@ def build_aoq_config(scheme=None, group_size=None, recipe=None, skip=None, calib
         default = None if scheme is None else config_for_scheme(scheme, group_size)
     except AOQError as e:
         raise UsageError(str(e)) from None
-    if calibration is not None and scheme == "int4" and calibration_method == "gptq":
-        raise UsageError("--calibration (GPTQ) chooses plain int4 weights: use --scheme int4-plain (groups of 128 by "
-                         "default). The default int4 (Int4DQ) needs no data and is more accurate (SmolLM2: 31.6 "
-                         "against GPTQ's 35.9 at g128)")
     if scheme == "fp8-static" and calibration is None:
         raise UsageError("--scheme fp8-static needs --calibration FILE (a text file): its activation scales are "
                          "chosen on that text")

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from hf_aoq import AOQConfig, AOQError, AOQTensor, FqnToConfig, Int4Tensor, Int4WeightOnlyConfig, Int8Tensor, Int8WeightOnlyConfig
+from hf_aoq import (AOQConfig, AOQError, AOQTensor, FqnToConfig, Int4DQTensor, Int4Tensor, Int4WeightOnlyConfig, Int8Tensor,
+                    Int8WeightOnlyConfig)
 from hf_aoq import cli
 from hf_aoq.calibration import gptq_int4, quantize_with_calibration
 
@@ -129,6 +130,14 @@ def test_cli_quantize_with_calibration(tiny_llama_dir, tmp_path, capsys):
     assert rc == 0
     again = AutoModelForCausalLM.from_pretrained(out)
     assert isinstance(again.model.layers[0].self_attn.o_proj.weight, Int4Tensor)
+    # The default int4 (Int4DQ) takes GPTQ too: other codes than plain rounding's, the same type.
+    for name, extra in (("dq-gptq", ["--calibration", str(text), "--calibration-tokens", "128"]), ("dq", [])):
+        assert cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", *extra, "--out", str(tmp_path / name),
+                         "--no-measure"]) == 0
+    calibrated, rounded = (AutoModelForCausalLM.from_pretrained(tmp_path / n).model.layers[0].mlp.down_proj.weight
+                           for n in ("dq-gptq", "dq"))
+    assert isinstance(calibrated, Int4DQTensor) and isinstance(rounded, Int4DQTensor)
+    assert not torch.equal(calibrated.qdata, rounded.qdata)
     rc = cli.main(["quantize", str(tiny_llama_dir), "--scheme", "int4", "--calibration", str(tmp_path / "missing.txt"),
                    "--out", str(tmp_path / "x")])
     assert rc != 0
