@@ -423,6 +423,8 @@ def int4dq_ext_linear(x, w, bias):
 
 # Many rows with half-precision activations on CPUs with a fast bf16 GEMM (AMX, AVX512-BF16).
 from . import cpu_gemm  # noqa: E402,F401
+# Many rows with bf16 activations on AMX tiles, the weight dequantized panel by panel (csrc/amx_gemm.h).
+from . import cpu_amx  # noqa: E402,F401
 # MXFP4 weight-only at few rows (csrc/mx.cpp).
 from . import cpu_mx  # noqa: E402,F401
 # NVFP4 weight-only at few rows (csrc/nvfp4.cpp).

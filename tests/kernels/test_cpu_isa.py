@@ -28,6 +28,16 @@ needs_bf16_gemm = pytest.mark.skipif(
 
 
 @pytest.fixture
+def amx_rows_held_off(monkeypatch):
+    """The AMX tile rows (kernels/cpu_amx.py), above the bf16-GEMM rows where AMX is granted, held
+    off: these tests are about the bf16-GEMM rows, which still run wherever the tile rows do not."""
+    from hf_aoq.kernels import cpu_amx
+
+    for fmt in cpu_amx.MIN_ROWS:
+        monkeypatch.setitem(cpu_amx.MIN_ROWS, fmt, 1 << 30)
+
+
+@pytest.fixture
 def fresh_probes(monkeypatch):
     """Capabilities and the AMX grant probed again inside the test, and again after it."""
     registry.forget_capabilities()
@@ -81,7 +91,7 @@ FORMAT = {"int4 g64": "int4", "int4 g128 padded": "int4", "int4dq": "int4dq", "i
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("name", list(FORMAT))
-def test_bf16_gemm_rows_equal_the_reference_exactly(name):
+def test_bf16_gemm_rows_equal_the_reference_exactly(name, amx_rows_held_off):
     w = _weights()[name]
     rows = cpu_gemm.min_rows(FORMAT[name])
     bias = torch.randn(w.shape[0])
@@ -134,7 +144,7 @@ def test_int4_dequantized_weights_equal_the_references_for_part_blocks_and_colum
 
 
 @needs_bf16_gemm
-def test_bf16_gemm_rows_apply_only_where_they_win(fresh_probes):
+def test_bf16_gemm_rows_apply_only_where_they_win(amx_rows_held_off, fresh_probes):
     w = _weights()["int4 g64"]
     gemm = "cpu_int4_bf16_gemm"
 
@@ -159,7 +169,7 @@ def test_bf16_gemm_rows_apply_only_where_they_win(fresh_probes):
 
 
 @needs_bf16_gemm
-def test_bf16_gemm_rows_compile_without_graph_breaks():
+def test_bf16_gemm_rows_compile_without_graph_breaks(amx_rows_held_off):
     w = _weights()["int8"]
     x = torch.randn(cpu_gemm.min_rows("int8"), w.shape[1], dtype=torch.bfloat16)
     f = torch.compile(lambda x: F.linear(x, w), fullgraph=True)

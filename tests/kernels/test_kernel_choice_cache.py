@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from hf_aoq import Int4Tensor, kernels
 from hf_aoq.core.tensor import KERNEL_CACHE, _forget_resolved
-from hf_aoq.kernels import cpu_ext, cpu_gemm, registry
+from hf_aoq.kernels import cpu_amx, cpu_ext, cpu_gemm, registry
 from test_kernel_table import scratch_table  # noqa: F401  (the fixture: rows registered here are gone after)
 
 needs_ext = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's C++ extension is not built here")
@@ -160,11 +160,15 @@ def test_placed_int4_rows_follow_dtype_rows_fields_and_the_isa_variable(ran, mon
             F.linear(x1, w)
         assert ran == ["cpu_int4_ext"] * 3
         del ran[:]
-        many = torch.randn(1, cpu_gemm.min_rows("int4"), 256, dtype=torch.bfloat16)
+        many = torch.randn(1, max(cpu_gemm.min_rows("int4"), cpu_amx.MIN_ROWS["int4"]), 256, dtype=torch.bfloat16)
         F.linear(many, w)
-        amx = registry.capable(cpu_gemm._NEEDS, torch.device("cpu"))
-        assert ran == ["cpu_int4_bf16_gemm" if amx else "cpu_int4_ext"]
-        if amx:  # HF_AOQ_CPU_ISA=none takes AMX away once the capabilities are probed again
+        cpu = torch.device("cpu")
+        if registry.capable(cpu_amx._NEEDS, cpu):
+            want = "cpu_int4_amx"
+        else:
+            want = "cpu_int4_bf16_gemm" if registry.capable(cpu_gemm._NEEDS, cpu) else "cpu_int4_ext"
+        assert ran == [want]
+        if want != "cpu_int4_ext":  # HF_AOQ_CPU_ISA=none takes AVX-512 and AMX away once probed again
             monkeypatch.setenv("HF_AOQ_CPU_ISA", "none")
             registry.forget_capabilities()
             del ran[:]

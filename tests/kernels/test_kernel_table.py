@@ -57,6 +57,7 @@ TABLE = [
     ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_gemv"),
     ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_dequant_gemm"),
     ("linear", "Float8SemiSparseTensor", "canonical", "reference"),
+    ("linear", "Float8Tensor", "canonical", "cpu_fp8_amx"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_bf16_gemm"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_gemv"),
     ("linear", "Float8Tensor", "canonical", "cuda_scaled_mm_rowwise"),
@@ -67,6 +68,7 @@ TABLE = [
     ("linear", "Int4DQTensor", "canonical", "triton_int4dq_gemm"),
     ("linear", "Int4DQTensor", "canonical", "triton_int4dq_dequantize_mm"),
     ("linear", "Int4DQTensor", "canonical", "reference"),
+    ("linear", "Int4DQTensor", "cpu_int4dq", "cpu_int4dq_amx"),
     ("linear", "Int4DQTensor", "cpu_int4dq", "cpu_int4dq_bf16_gemm"),
     ("linear", "Int4DQTensor", "cpu_int4dq", "cpu_int4dq_ext"),
     ("linear", "Int4DQTensor", "cpu_int4dq", "reference"),
@@ -75,6 +77,7 @@ TABLE = [
     ("linear", "Int4Tensor", "canonical", "triton_int4_dequantize_mm"),
     ("linear", "Int4Tensor", "canonical", "reference"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int8_int4_ext"),
+    ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int4_amx"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int4_bf16_gemm"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "cpu_int4_ext"),
     ("linear", "Int4Tensor", "cpu_int4_pairs", "reference"),
@@ -82,11 +85,13 @@ TABLE = [
     ("linear", "Int4Tensor", "cpu_int4pack", "reference"),
     ("linear", "Int4Tensor", "cuda_tinygemm", "cuda_tinygemm"),
     ("linear", "Int4Tensor", "cuda_tinygemm", "reference"),
+    ("linear", "Int8Tensor", "canonical", "cpu_int8_amx"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_bf16_gemm"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_ext"),
     ("linear", "Int8Tensor", "canonical", "cuda_int_mm"),
     ("linear", "Int8Tensor", "canonical", "triton_int8_gemv"),
     ("linear", "Int8Tensor", "canonical", "reference"),
+    ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_amx"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_bf16_gemm"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_ext"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8pack_mm"),
@@ -113,10 +118,10 @@ def test_the_table_is_the_one_place():
 
 def test_each_packing_names_the_kernels_that_read_it():
     reads = {
-        "cpu_int4_pairs": ["cpu_int8_int4_ext", "cpu_int4_bf16_gemm", "cpu_int4_ext"],
+        "cpu_int4_pairs": ["cpu_int8_int4_ext", "cpu_int4_amx", "cpu_int4_bf16_gemm", "cpu_int4_ext"],
         "cpu_int4pack": ["cpu_int4pack_mm"],
-        "cpu_int4dq": ["cpu_int4dq_bf16_gemm", "cpu_int4dq_ext"],
-        "cpu_int8_aligned": ["cpu_int8_bf16_gemm", "cpu_int8_ext", "cpu_int8pack_mm"],
+        "cpu_int4dq": ["cpu_int4dq_amx", "cpu_int4dq_bf16_gemm", "cpu_int4dq_ext"],
+        "cpu_int8_aligned": ["cpu_int8_amx", "cpu_int8_bf16_gemm", "cpu_int8_ext", "cpu_int8pack_mm"],
         "cuda_tinygemm": ["cuda_tinygemm"],
     }
     for packing, names in reads.items():

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_gemm.h"
 #include "dequant_gemm.h"
 #include "hf_aoq_cpu.h"
 #include "simd.h"
@@ -226,4 +227,53 @@ torch::Tensor fp8_dequantize(torch::Tensor codes, torch::Tensor scale, int64_t s
   const int64_t N = codes.size(0), K = codes.size(1);
   return dequant_weight(N, K, K, 1, /*transposed=*/false, dtype,
                         Fp8Rows{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, shift});
+}
+
+#if HF_AOQ_AMX
+namespace {
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+// The exact float32 values of 16 codes (codes_to_scaled_lanes, then the power of two back).
+struct Fp8Lanes {
+  int shift;
+  __m512 factor;
+  __m512 operator()(const uint8_t* p) const { return _mm512_mul_ps(codes_to_scaled_lanes(p, shift), factor); }
+};
+// The row panel with DAZ cleared on the worker thread that writes it: the bit trick's
+// intermediate floats are denormal for subnormal codes.
+struct Fp8Panel {
+  static constexpr bool kWeightRows = true;
+  RowScalePanel<uint8_t, Fp8Lanes> rows;
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
+    DenormalsKept keep;
+    rows(n0, k0, k1, out);
+  }
+};
+#pragma GCC pop_options
+}  // namespace
+#endif
+
+// x: bfloat16 [M, K]; codes: uint8 [N, K] (float8 bits) contiguous, N and K multiples of 32;
+// scale: float32 [N]; shift: 20 (e4m3fn) or 21 (e5m2). F.linear in bf16 on AMX tiles
+// (amx_gemm.h): the weight's bf16 values are the reference's dequantize(bfloat16) (the code's
+// value times its row's scale in float32, rounded once), bit for bit. Returns bfloat16 [M, N].
+torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
+                             c10::optional<torch::Tensor> bias) {
+  check_amx_usable();
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
+  TORCH_CHECK(shift == 20 || shift == 21, "shift: 20 (e4m3fn) or 21 (e5m2)");
+  const int64_t N = codes.size(0), K = codes.size(1);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and K multiples of 32, got ", N, " x ", K);
+  TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == N && scale.is_contiguous(), "scale: float32 [N]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [M, ", K, "]");
+  const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
+  auto y = torch::empty({xa.size(0), N}, xa.options());
+#if HF_AOQ_AMX
+  const float* sp = scale.data_ptr<float>();
+  const Fp8Lanes lanes{static_cast<int>(shift), _mm512_set1_ps(shift == 20 ? std::ldexp(1.f, 120) : std::ldexp(1.f, 112))};
+  amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), K, xa.size(0), N, K, 32,
+                  b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                  Fp8Panel{{codes.data_ptr<uint8_t>(), sp, K, lanes}});
+#endif
+  return y;
 }

@@ -14,6 +14,19 @@ torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k);
 torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size, int64_t k,
                                   torch::ScalarType dtype);
 
+// *_amx_linear: F.linear for bfloat16 activations on AMX tiles, the weight dequantized 32 output
+// columns at a time as the reference dequantizes it (amx_gemm.h), for many rows; bfloat16 [M, N].
+// Only where amx_available(); elsewhere they raise.
+torch::Tensor int4pack_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
+                                  c10::optional<torch::Tensor> bias);
+torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                                torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias);
+torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
+torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
+                             c10::optional<torch::Tensor> bias);
+// amx.cpp: whether this binary has the AMX kernels and this process may run them.
+bool amx_available();
+
 // int8_int4.cpp: Int4Tensor with integer (int8 or int4) activation codes, F.linear in one call.
 torch::Tensor int8_int4_linear_io(torch::Tensor codes, torch::Tensor act_scale, torch::Tensor packed,
                                   torch::Tensor scale_zero, int64_t group_size, int64_t k,

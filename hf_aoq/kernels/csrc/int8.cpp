@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_gemm.h"
 #include "dequant_gemm.h"
 #include "hf_aoq_cpu.h"
 #include "simd.h"
@@ -143,4 +144,40 @@ torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, torch::Scala
   TORCH_CHECK(s.numel() == q.size(0), "scale: one value per row");
   const int64_t N = q.size(0), K = q.size(1);
   return dequant_weight(N, K, K, 1, /*transposed=*/false, dtype, Int8Rows{q.data_ptr<int8_t>(), s.data_ptr<float>(), K});
+}
+
+#if HF_AOQ_AMX
+namespace {
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+struct Int8Lanes {
+  __m512 operator()(const int8_t* p) const {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+#pragma GCC pop_options
+}  // namespace
+#endif
+
+// x: bfloat16 [M, K]; q: int8 [N, K] contiguous, N and K multiples of 32; scale: [N] (or [N, 1]),
+// any float dtype. F.linear in bf16 on AMX tiles (amx_gemm.h): the weight's bf16 values are the
+// reference's dequantize(bfloat16) (q * scale in float32, rounded once), bit for bit. Returns
+// bfloat16 [M, N].
+torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  check_amx_usable();
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "q: contiguous int8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and K multiples of 32, got ", N, " x ", K);
+  const auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
+  TORCH_CHECK(s.numel() == N, "scale: one value per row");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [M, ", K, "]");
+  const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
+  auto y = torch::empty({xa.size(0), N}, xa.options());
+#if HF_AOQ_AMX
+  const float* sp = s.data_ptr<float>();
+  amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), K, xa.size(0), N, K, 32,
+                  b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                  RowScalePanel<int8_t, Int8Lanes>{q.data_ptr<int8_t>(), sp, K, Int8Lanes{}});
+#endif
+  return y;
 }

@@ -1,0 +1,123 @@
+"""Many-row CPU linears on AMX tiles for bf16 activations: hf_aoq's own tile GEMM
+(csrc/amx_gemm.h) dequantizes each block of 32 output columns into a small bf16 panel and
+multiplies from it, so the weight is read once in its own bytes and no whole bf16 copy is made.
+
+The weight's bf16 values are the reference's `dequantize(bfloat16)`, bit for bit; the products
+are summed in float32 in the tiles' order and each output rounded once to bf16, so the outputs
+agree with the reference kernel (the same weight through aten's GEMM) within float32
+accumulation (tests/kernels/test_cpu_amx.py). Above cpu_gemm.py's rows (dequantize the whole
+weight into bf16, then aten's GEMM), which remain where AMX is not: AVX512-BF16 machines.
+
+Measured on a 2-vCPU Xeon with AMX (5632x2048 / 2048x5632, 2 threads, medians of 11 interleaved
+rounds on a noisy host, as a multiple of dense bf16 F.linear's time; docs/performance.md): at 256
+rows int4 g128 0.85 / 1.00, Int4DQ g32 0.79 / 1.02, int8 0.89 / 1.22, float8 0.89 / 1.22, against
+1.5-1.85 for dequantize + aten's GEMM (cpu_gemm.py). The tile loop alone took 0.54-0.67 of dense
+bf16's time at 256 rows (oneDNN's bf16 GEMM runs ~0.8-0.9 TFLOP/s per core there, the tiles
+~1.2); the rest is writing the panels.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import cpu_ext, cpu_isa
+from .common import rows as _rows
+from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features, _per_row
+from .registry import capability, opaque_op, register_kernel
+
+
+def _amx_kernels(device) -> bool:
+    # The CPU and the OS allow AMX (cpu_isa), and the extension was built with the AMX kernels
+    # (the avx512 build) and got the tile state from Linux.
+    if not cpu_isa.amx_bf16_allowed() or not cpu_ext.available():
+        return False
+    return bool(cpu_ext.load().amx_available())
+
+
+AMX = capability("cpu:amx_kernels", "cpu", _amx_kernels)
+
+# Fewest bf16 activation rows at which the tile GEMM beats the weight-streaming kernels of cpu.py
+# (same run as above, tile / streaming kernel, both shapes): int4 g128 0.67/0.76 against 0.54/0.61
+# at 12 rows, 0.63/0.62 against 0.80/0.77 at 16; Int4DQ g32 0.70/0.77 against 0.55/0.59 at 8,
+# 0.82/0.73 against 0.84/0.92 at 12; int8 0.87/0.77 against 0.85/0.91 at 8, 0.90/0.81 against
+# 1.06/1.19 at 12; float8 0.95/0.74 against 1.00/1.03 at 8.
+MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 10, "fp8": 8}
+
+
+def _out(x, qdata, *rest):
+    """The fake of every `*_amx_linear` op: [M, N] bf16."""
+    return x.new_empty((x.shape[0], qdata.shape[0]))
+
+
+@opaque_op("int4_amx_linear_cpu", _out)
+def int4_amx_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().int4pack_amx_linear(x, packed, scale_zero, group_size, bias)
+
+
+@opaque_op("int4dq_amx_linear_cpu", _out)
+def int4dq_amx_linear(x: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor,
+                      tparams: torch.Tensor, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().int4dq_amx_linear(x, packed, gparams_t, rparams, tparams, group_size, bias)
+
+
+@opaque_op("int8_amx_linear_cpu", _out)
+def int8_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                    bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().int8_amx_linear(x, qdata, scale, bias)
+
+
+@opaque_op("fp8_amx_linear_cpu", _out)
+def fp8_amx_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shift: int,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().fp8_amx_linear(x, codes, scale, shift, bias)
+
+
+def _many_bf16_rows(fmt):
+    def when(x, w) -> bool:
+        # N and K multiples of 32 (the tiles); read off the fields, not w.shape (slow per call).
+        n, k = w.qdata.shape[0], _in_features(w)
+        return x.dtype == torch.bfloat16 and _rows(x) >= MIN_ROWS[fmt] and n % 32 == 0 and k % 32 == 0
+    return when
+
+
+def _apply(x, k, kernel, *args):
+    y = kernel(x.reshape(-1, k), *args)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+_int4_rows, _int4dq_rows, _int8_rows, _fp8_rows = (_many_bf16_rows(f) for f in ("int4", "int4dq", "int8", "fp8"))
+_NEEDS = (CPU_EXT, AMX)
+
+
+@register_kernel("linear", "Int4Tensor", "cpu_int4_amx", backend="cpu", priority=35, reads=("cpu_int4_pairs",),
+                 device="cpu", needs=_NEEDS,
+                 when=lambda x, w: _int4_rows(x, w) and w.qdata.is_contiguous() and w.scale.is_contiguous())
+def _int4(x, w, bias):
+    x = w.simulate_input_quantization(x)
+    return _apply(x, _in_features(w), int4_amx_linear, w.qdata, w.scale, w.block_size[-1], bias)
+
+
+@register_kernel("linear", "Int4DQTensor", "cpu_int4dq_amx", backend="cpu", priority=35, reads=("cpu_int4dq",),
+                 device="cpu", needs=_NEEDS,
+                 when=lambda x, w: _int4dq_rows(x, w) and w.qdata.is_contiguous() and w.gparams.is_contiguous())
+def _int4dq(x, w, bias):
+    return _apply(x, _in_features(w), int4dq_amx_linear, w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1],
+                  bias)
+
+
+@register_kernel("linear", "Int8Tensor", "cpu_int8_amx", backend="cpu", priority=35, device="cpu", needs=_NEEDS,
+                 when=lambda x, w: _int8_rows(x, w) and _per_row(w) and w.qdata.is_contiguous())
+def _int8(x, w, bias):
+    x = w.simulate_input_quantization(x)
+    return _apply(x, _in_features(w), int8_amx_linear, w.qdata, w.scale, bias)
+
+
+@register_kernel("linear", "Float8Tensor", "cpu_fp8_amx", backend="cpu", priority=25, device="cpu", needs=_NEEDS,
+                 when=lambda x, w: _fp8_rows(x, w) and _float8_cpu_applies(x, w))
+def _fp8(x, w, bias):
+    x = w.simulate_input_quantization(x)
+    codes = w.qdata
+    scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
+    return _apply(x, _in_features(w), fp8_amx_linear, codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype], bias)

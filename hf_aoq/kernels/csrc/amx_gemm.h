@@ -1,0 +1,394 @@
+// y = x W^T on AMX tiles for bf16 activations at many rows (prefill), with W never held whole in
+// bf16: each block of 32 output columns is dequantized by its format's panel writer into a small
+// bf16 panel in the tiles' pair layout, exactly as the reference's dequantize(bfloat16) rounds it,
+// and multiplied from there. The weight bits are the reference's (denormals aside, which the tile
+// multiply reads as zero, as it does in aten's AMX GEMM); only the float32 summation order differs
+// from aten's GEMM (the reference kernel's F.linear), so outputs agree within float32
+// accumulation, and each is one bf16 rounding of its sum.
+//
+// Why: aten's bf16 GEMM (oneDNN, AMX) needs the whole weight in bf16, so the many-row rows of
+// cpu_gemm.py write and read a whole bf16 copy per call (1.5-1.9x dense bf16's time at 256 rows
+// on a 2-vCPU Xeon). Here the weight is read once in its own bytes, and the tile loop itself ran
+// at ~1.2 TFLOP/s per core against oneDNN's ~0.8-0.9 on that machine (5632x2048, 256 rows).
+//
+// Tiles (AMX-BF16): a multiply takes A = 16 rows x 32 k (bf16, row-major) and B = 16 k-pairs x
+// 16 columns (each 32-bit lane a pair of bf16 of consecutive k) into C = 16 x 16 float32. Each step
+// of 32 k loads two A and two B tiles and runs four multiplies (a 32 x 32 output block). The
+// weight takes whichever side its own layout is nearer to:
+//   B (panel of 32 output columns in k-pairs): the int4 pairs layout, whose 32-bit lanes already
+//     hold one row's two consecutive codes; x is A.
+//   A (32 weight rows, row-major bf16): row-major codes (int8, float8), which would otherwise need
+//     a 16 x 16 transpose per 512 weights; x is then B, in k-pairs, and each 16 x 16 block of
+//     sums is transposed on its way out.
+// Both sides are laid out so that a step's two tiles are one contiguous 2 KB: x is copied once per
+// call into blocks of 32 rows (M x K x 2 bytes, small beside the weight at prefill), the panel is
+// written that way. (Tiles read in place from x's rows, 4 KB apart at K = 2048, or from a
+// [K/2][M] pair layout, made the weight-as-A loop 1.3-1.7x slower.)
+// Per thread: a range of 32-column blocks; for each, the panel is written once per chunk of k and
+// used by every activation row. x is taken in chunks of at most 256 rows and of k such that a
+// chunk (rows x k x 2 bytes) stays near 1 MB, inside the core's L2: with the whole of x in L3
+// (2048x5632 at 256 rows, 2.9 MB) the loop ran at 0.6-0.7x the speed it reached with chunks of
+// 0.5-1 MB (2 and 8 MB were slower again, on a noisy host). Across chunks of k the float32 sums
+// wait in a per-thread buffer.
+//
+// Built in the avx512 binary only (HF_AOQ_AMX), the tile code under a target pragma, and run
+// only where the CPU has AMX and Linux grants this process the tile state (amx_usable(); Python
+// checks cpu_isa as well). Internal linkage, as in every header here.
+#pragma once
+#include <torch/types.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__x86_64__) && \
+    defined(__linux__) && (__GNUC__ >= 11 || __clang_major__ >= 12)
+#define HF_AOQ_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HF_AOQ_AMX 0
+#endif
+
+namespace {
+
+// Whether this binary has the AMX kernels and Linux grants this process the tile state (asked
+// once per process; the first tile instruction faults without the grant).
+inline bool amx_usable() {
+#if HF_AOQ_AMX
+  static const bool ok = [] {
+    constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtileData = 18;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtileData) != 0) return false;
+    unsigned long bits = 0;
+    return syscall(SYS_arch_prctl, kGetPerm, &bits) == 0 && (bits >> kXtileData & 1);
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline void check_amx_usable() {
+  TORCH_CHECK(amx_usable(), "hf_aoq: the AMX kernels need an avx512 build on a CPU with AMX-BF16 that Linux lets "
+              "this process use (kernels/cpu_isa.py decides where they run)");
+}
+
+#if HF_AOQ_AMX
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+
+constexpr int64_t kAmxBlockN = 32;             // output columns per panel (two B tiles)
+constexpr int64_t kAmxMaxRows = 256;           // activation rows per chunk
+constexpr int64_t kAmxChunkBytes = 1 << 20;    // target bytes of an activation chunk (rows x k)
+
+struct AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight 16 x 64-byte tiles: 0-3 the sums, 4-5 activations, 6-7 the panel.
+inline void amx_configure() {
+  AmxTileConfig c;
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// Two vectors of 16 float32 as 32 bf16 (a in the low half, b in the high), rounded to nearest,
+// ties to even, as c10::BFloat16 rounds, except that the instruction reads denormal float32 inputs
+// as zero. The tile multiply (TDPBF16PS) reads denormal bf16 as zero anyway, here as in aten's
+// AMX GEMM that the reference kernel calls; the one difference left is a float32 value just below
+// 2^-126 that c10 rounds up to the smallest normal bf16.
+inline __m512i bf16_pack(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
+
+// r[i] (16 lanes of 32 bits) -> r[j] lane i = old r[i] lane j.
+inline void transpose16x16_epi32(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Panel writer for row-major weights ([N, K] codes, a scale per row), the weight as the A
+// operand: rows n0..n0+31, k in [k0, k1), as bf16 in steps of 32 k: out[((k - k0) / 32 * 32 + r)
+// * 32 + k % 32], so that a step's two A tiles are one contiguous 2 KB. w = lanes(p) * scale[n], one
+// float32 rounding then one to bf16, as the int8 and float8 references dequantize; lanes(p) gives
+// the exact float32 values of the 16 codes at p (before the row's scale).
+template <typename T, class Lanes>
+struct RowScalePanel {
+  static constexpr bool kWeightRows = true;
+  const T* q;
+  const float* scale;
+  int64_t K;
+  Lanes lanes;
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
+    for (int64_t r = 0; r < kAmxBlockN; ++r) {
+      const T* row = q + (n0 + r) * K;
+      const __m512 s = _mm512_set1_ps(scale[n0 + r]);
+      for (int64_t k = k0; k < k1; k += 32)
+        _mm512_storeu_si512(out + ((k - k0) / 32 * 32 + r) * 32,
+                            bf16_pack(_mm512_mul_ps(lanes(row + k), s), _mm512_mul_ps(lanes(row + k + 16), s)));
+    }
+  }
+};
+
+// Panel writer for the int4 pairs layout (int4_pairs.h): a column pair's 32 bytes hold, in
+// 32-bit lane i, nibble t of the low half the even column's code of row 8t + i and of the high
+// half the odd column's, so shifting a lane gives one row's two codes: already the tiles' pair
+// order. w = (q - P::offset) * s + z per group (separate multiply and add), rounded to bf16, as
+// int4_dequant_block_bf16 and the reference compute it. (q - offset) comes from a 16-entry table
+// (the permute reads the low 4 bits of each lane).
+template <class P>
+struct Int4PairsPanel {
+  static constexpr bool kWeightRows = false;
+  const uint8_t* w;  // the pairs layout, full blocks of 32 rows
+  P params;
+  int64_t K, gs;
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint32_t* panel) const {
+    const uint8_t* blk = w + n0 * K / 2;
+    alignas(64) float s[32], z[32];
+    const __m512 table = _mm512_sub_ps(
+        _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f),
+        _mm512_set1_ps(P::offset));
+    // Rows 16h..16h+15: lanes 0-7 from nibble 2h, lanes 8-15 from nibble 2h + 1; odd column +16.
+    const __m512i shift_even[2] = {_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
+                                   _mm512_setr_epi32(8, 8, 8, 8, 8, 8, 8, 8, 12, 12, 12, 12, 12, 12, 12, 12)};
+    const __m512i shift_odd[2] = {_mm512_add_epi32(shift_even[0], _mm512_set1_epi32(16)),
+                                  _mm512_add_epi32(shift_even[1], _mm512_set1_epi32(16))};
+    // 32 bf16 [even 0..15, odd 0..15] -> 16 lanes (even i, odd i).
+    const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                                 0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
+                                                 0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
+    for (int64_t g = k0 / gs; g < k1 / gs; ++g) {
+      params(g, n0, kAmxBlockN, s, z);
+      const __m512 sv[2] = {_mm512_load_ps(s), _mm512_load_ps(s + 16)};
+      const __m512 zv[2] = {_mm512_load_ps(z), _mm512_load_ps(z + 16)};
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 2) {
+        const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + k * 16)));
+        uint32_t* o = panel + (k - k0) / 2 * kAmxBlockN;
+        for (int h = 0; h < 2; ++h) {
+          const __m512 e = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(b, shift_even[h]), table), sv[h]), zv[h]);
+          const __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(b, shift_odd[h]), table), sv[h]), zv[h]);
+          _mm512_storeu_si512(o + 16 * h, _mm512_permutexvar_epi16(interleave, bf16_pack(e, d)));
+        }
+      }
+    }
+  }
+};
+
+// The k of each chunk: all of K when rows x K fits kAmxChunkBytes, else the largest multiple of
+// `align` (a multiple of 32: the tile step, and of the format's group) that does.
+inline int64_t amx_chunk_k(int64_t rows, int64_t K, int64_t align) {
+  if (rows * K * 2 <= kAmxChunkBytes) return K;
+  return std::max(align, kAmxChunkBytes / (rows * 2) / align * align);
+}
+
+// x [M, K] (bf16, rows ldx apart) in steps of 32 k, the A operand where the weight is B: per
+// block of 32 rows and step, the 32 rows' 32 values (2 KB, rows past M zero), so that a step's two
+// A tiles are contiguous. Read in place, x's rows (4 KB apart at K = 2048) put each tile's 16 rows
+// in one L1 set.
+inline void amx_pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out) {
+  const int64_t steps = K / 32, blocks = (M + 31) / 32;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t mb = b0; mb < b1; ++mb)
+      for (int64_t r = 0; r < 32; ++r) {
+        const int64_t m = 32 * mb + r;
+        for (int64_t s = 0; s < steps; ++s)
+          _mm512_storeu_si512(out + ((mb * steps + s) * 32 + r) * 32,
+                              m < M ? _mm512_loadu_si512(x + m * ldx + 32 * s) : _mm512_setzero_si512());
+      }
+  });
+}
+
+// x [M, K] (bf16, rows ldx apart) as 32-bit k-pairs, the B operand where the weight is A: per
+// block of 32 rows, [K/2][32] (rows past M zero), so that one block's tiles for successive k are
+// contiguous (2 KB a step), as the weight's panel is where it is B. A plain [K/2][M] layout put a
+// tile's 16 rows M x 4 bytes apart, a stride the hardware prefetcher did not follow: at 256 rows
+// the int8 kernel took 1.7x dense bf16's time instead of 0.6x at 64.
+inline void amx_pack_pairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* out) {
+  const int64_t pairs = K / 2, blocks = (M + 31) / 32;
+  at::parallel_for(0, blocks * (pairs / 16), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mb = t / (pairs / 16), p0 = t % (pairs / 16) * 16;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t m0 = 32 * mb + 16 * h;
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)  // row m0 + i's pairs p0..p0+15 (K is a multiple of 32)
+          r[i] = m0 + i < M ? _mm512_loadu_si512(x + (m0 + i) * ldx + 2 * p0) : _mm512_setzero_si512();
+        transpose16x16_epi32(r);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (mb * pairs + p0 + j) * 32 + 16 * h, r[j]);
+      }
+    }
+  });
+}
+
+// The four sum tiles of a 32 x 32 block into c (32 x 32 float32, rows 128 bytes apart) in the
+// tiles' own orientation: [m][n] where the weight is B, [n][m] where it is A.
+inline void amx_store_sums(float* c) {
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  _tile_stored(2, c + 16 * 32, 128);
+  _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+inline void amx_load_sums(const float* c) {
+  _tile_loadd(0, c, 128);
+  _tile_loadd(1, c + 16, 128);
+  _tile_loadd(2, c + 16 * 32, 128);
+  _tile_loadd(3, c + 16 * 32 + 16, 128);
+}
+
+// Output rows m0..m0+rows-1, columns n0..n0+31 of y (bf16, N columns): c's sums plus the bias,
+// one rounding each. c is [m][n], or [n][m] (transposed here, 16 x 16 at a time) when nm.
+inline void amx_write_block(float* c, bool nm, const float* bias, int64_t n0, int64_t rows, uint16_t* y, int64_t N) {
+  if (nm)
+    for (int bi = 0; bi < 2; ++bi)
+      for (int bj = 0; bj < 2; ++bj) {
+        if (bi > bj) continue;  // swap the off-diagonal blocks pairwise, each transposed
+        __m512i a[16], b[16];
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_load_si512(c + (16 * bi + i) * 32 + 16 * bj);
+        transpose16x16_epi32(a);
+        if (bi == bj) {
+          for (int i = 0; i < 16; ++i) _mm512_store_si512(c + (16 * bi + i) * 32 + 16 * bj, a[i]);
+          continue;
+        }
+        for (int i = 0; i < 16; ++i) b[i] = _mm512_load_si512(c + (16 * bj + i) * 32 + 16 * bi);
+        transpose16x16_epi32(b);
+        for (int i = 0; i < 16; ++i) {
+          _mm512_store_si512(c + (16 * bj + i) * 32 + 16 * bi, a[i]);
+          _mm512_store_si512(c + (16 * bi + i) * 32 + 16 * bj, b[i]);
+        }
+      }
+  const __m512 bias0 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  const __m512 bias1 = bias ? _mm512_loadu_ps(bias + n0 + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_storeu_si512(y + r * N + n0, bf16_pack(_mm512_add_ps(_mm512_load_ps(c + r * 32), bias0),
+                                                  _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bias1)));
+}
+
+// y [M, N] bf16 = x [M, K] (bf16, rows ldx apart) W^T (+ bias, float32 [N] or null), W written
+// 32 output columns and a chunk of k [k0, k1) at a time by write_panel: where
+// Panel::kWeightRows, write_panel(n0, k0, k1, rows, ld) writes the weight rows n0..n0+31 as bf16
+// rows ld apart; else write_panel(n0, k0, k1, panel) writes panel[(p - k0/2) * 32 + j] = the bf16
+// pair (W[n0 + j][2p], W[n0 + j][2p + 1]). N a multiple of 32, K of 32 and of `align` (the
+// format's group; chunks of k start at its multiples).
+template <class Panel>
+void amx_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t K, int64_t align, const float* bias,
+                     uint16_t* y, const Panel& write_panel) {
+  constexpr bool rows_panel = Panel::kWeightRows;
+  // x once per call, blocked for the tiles (M x K x 2 bytes, small beside the weight at prefill).
+  std::vector<uint32_t> xb((M + 31) / 32 * 32 * K / 2);
+  if (rows_panel)
+    amx_pack_pairs(x, ldx, M, K, xb.data());
+  else
+    amx_pack_rows(x, ldx, M, K, reinterpret_cast<uint16_t*>(xb.data()));
+  const int64_t blocks = N / kAmxBlockN;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    amx_configure();
+    const int64_t mine = b1 - b0;
+    std::vector<uint32_t> panel;
+    std::vector<float> sums;  // [block][32-row block][32 x 32] across chunks of k
+    alignas(64) float c[32 * 32];
+    for (int64_t mc0 = 0; mc0 < M; mc0 += kAmxMaxRows) {
+      const int64_t mrows = std::min(kAmxMaxRows, M - mc0);
+      const int64_t padded = (mrows + 31) / 32 * 32;
+      const int64_t kc = amx_chunk_k(mrows, K, align);
+      const bool chunked = kc < K;
+      panel.resize(kc / 2 * kAmxBlockN);
+      if (chunked) sums.resize(mine * padded * kAmxBlockN);
+      for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t k1 = std::min(K, k0 + kc);
+        const bool first = k0 == 0, last = k1 == K;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * kAmxBlockN;
+          if constexpr (rows_panel)
+            write_panel(n0, k0, k1, reinterpret_cast<uint16_t*>(panel.data()));
+          else
+            write_panel(n0, k0, k1, panel.data());
+          const uint32_t* w = panel.data();
+          for (int64_t m0 = 0; m0 < mrows; m0 += 32) {
+            float* acc = chunked ? sums.data() + ((b - b0) * padded + m0) * kAmxBlockN : nullptr;
+            if (first) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              amx_load_sums(acc);
+            }
+            // Per step of 32 k, 2 KB of x's block and 2 KB of the panel, each holding two tiles:
+            // rows (16 x 64 bytes, the second at +1 KB) or k-pairs (16 x 128 bytes, the second at
+            // +64 bytes).
+            const uint32_t* a = xb.data() + (mc0 + m0) / 32 * (K / 2) * 32;
+            for (int64_t k = k0; k < k1; k += 32) {
+              const uint32_t* xs = a + k / 2 * 32;
+              const uint32_t* ws = w + (k - k0) / 2 * 32;
+              if constexpr (rows_panel) {  // A: the weight's rows; B: x's k-pairs
+                _tile_loadd(4, ws, 64);
+                _tile_loadd(5, ws + 256, 64);
+                _tile_loadd(6, xs, 128);
+                _tile_loadd(7, xs + 16, 128);
+              } else {  // A: x's rows; B: the weight's k-pairs
+                _tile_loadd(4, xs, 64);
+                _tile_loadd(5, xs + 256, 64);
+                _tile_loadd(6, ws, 128);
+                _tile_loadd(7, ws + 16, 128);
+              }
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+            amx_store_sums(last ? c : acc);
+            if (last)
+              amx_write_block(c, rows_panel, bias, n0, std::min<int64_t>(32, mrows - m0), y + (mc0 + m0) * N, N);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+#pragma GCC pop_options
+#endif  // HF_AOQ_AMX
+
+// x as a contiguous bf16 [M, K] the kernels can read (K past x's k columns zero-filled), and the
+// bias as float32 [N] (or undefined).
+inline torch::Tensor amx_input(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2, "x: bfloat16 [M, k]");
+  TORCH_CHECK(x.size(1) <= K, "x: at most ", K, " columns, got ", x.size(1));
+  if (x.size(1) == K) return x.contiguous();
+  auto padded = torch::zeros({x.size(0), K}, x.options());
+  padded.narrow(1, 0, x.size(1)).copy_(x);
+  return padded;
+}
+
+inline torch::Tensor amx_bias(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK(bias->numel() == N, "bias: expected ", N, " values, got ", bias->numel());
+  return bias->reshape({N}).to(torch::kFloat32).contiguous();
+}
+
+}  // namespace

@@ -1,0 +1,150 @@
+"""The AMX tile GEMM rows (kernels/cpu_amx.py, csrc/amx_gemm.h): the weight each panel holds is the
+reference's dequantize(bfloat16) bit for bit, the outputs agree with the reference kernel within
+float32 accumulation, every chunking and tail path runs, and the kernel table takes them only
+where they apply. Skipped, saying why, where the CPU (or OS) does not grant AMX-BF16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
+from hf_aoq.kernels import cpu_amx, cpu_ext, cpu_isa, registry, select_kernel
+from hf_aoq.kernels.reference import reference_linear
+from hf_aoq.tensors.float8 import PerTensor
+
+AMX = cpu_isa.amx_bf16_allowed() and cpu_ext.available() and cpu_ext.load().amx_available()
+pytestmark = pytest.mark.skipif(
+    not AMX, reason=f"this CPU (or OS, or build) grants no AMX-BF16 ({cpu_isa.describe()['flags']}, "
+                    f"extension {cpu_ext.chosen_isa()}): the AMX rows are skipped")
+
+ROW = {"int4": "cpu_int4_amx", "int4dq": "cpu_int4dq_amx", "int8": "cpu_int8_amx", "fp8": "cpu_fp8_amx"}
+
+
+def _weights(n: int, k: int, seed: int = 0) -> dict[str, tuple[str, object]]:
+    torch.manual_seed(seed)
+    w = torch.randn(n, k) * 0.05
+    out = {f"int4 g{g}": ("int4", Int4Tensor.from_float(w.bfloat16(), g).place()) for g in (32, 64, 128, 256)
+           if k % g == 0 or g == 128}
+    out["int4 g32 fp16 scales"] = ("int4", Int4Tensor.from_float(w.half(), 32).place())
+    out["int4 g64 fp32 scales, symmetric"] = ("int4", Int4Tensor.from_float(w, 64, True).place())
+    out.update({f"int4dq g{g}": ("int4dq", Int4DQTensor.from_float(w, g).place()) for g in (32, 64)})
+    out["int8"] = ("int8", Int8Tensor.from_float(w))
+    out["int8 dynamic"] = ("int8", Int8Tensor.from_float(w, act_quant="per_token"))
+    out["fp8 e4m3"] = ("fp8", Float8Tensor.from_float(w))
+    out["fp8 e5m2 per tensor"] = ("fp8", Float8Tensor.from_float(w, torch.float8_e5m2, PerTensor()))
+    return out
+
+
+def _run(fmt: str, x: torch.Tensor, w, bias=None) -> torch.Tensor:
+    return {"int4": cpu_amx._int4, "int4dq": cpu_amx._int4dq, "int8": cpu_amx._int8, "fp8": cpu_amx._fp8}[fmt](x, w, bias)
+
+
+@pytest.mark.parametrize("name", list(_weights(64, 256)))
+def test_panels_hold_the_reference_weight_bit_for_bit(name):
+    # x = the identity: each output is one product w * 1.0, exact in float32, so y = W^T exactly
+    # when the panel's bf16 values are dequantize(bfloat16)'s.
+    fmt, w = _weights(64, 256)[name]
+    x = torch.eye(256, dtype=torch.bfloat16)
+    y = _run(fmt, x, w)
+    assert torch.equal(y, w.dequantize(torch.bfloat16).t()), name
+
+
+def test_denormal_weights_read_as_zero_as_the_tile_multiply_reads_them():
+    # The tile multiply (TDPBF16PS) treats denormal bf16 inputs as zero, in aten's AMX GEMM as
+    # here; the panels' conversion flushes each weight whose float32 value is denormal (before
+    # rounding: one just below 2^-126 would round up to the smallest normal). Every other weight
+    # stays exact.
+    torch.manual_seed(1)
+    x = torch.eye(128, dtype=torch.bfloat16)
+    w8 = Int8Tensor.from_float(torch.randn(32, 128))
+    w4 = Int4Tensor.from_float(torch.randn(64, 128), 32)
+    w4 = w4.replace(scale=w4.scale * 2.0 ** -124, zero=w4.zero * 2.0 ** -124).place()
+    f8 = Float8Tensor.from_float(torch.randn(32, 128))
+    for fmt, w, scale in (("int8", w8, 2.0 ** -125), ("int4", w4, 1.0), ("fp8", f8, 2.0 ** -115)):
+        w = w.replace(scale=w.scale * scale)
+        want = w.dequantize(torch.float32)
+        denormal = (want != 0) & (want.abs() < 2.0 ** -126)
+        assert denormal.any() and (want.abs() >= 2.0 ** -126).any(), fmt
+        assert torch.equal(w.dequantize(torch.bfloat16), want.bfloat16()), fmt  # one rounding of these floats
+        assert torch.equal(_run(fmt, x, w), torch.where(denormal, 0, want).bfloat16().t()), fmt
+
+
+def _within_fp32_accumulation(y: torch.Tensor, x: torch.Tensor, w_bf16: torch.Tensor, bias) -> None:
+    exact = x.double() @ w_bf16.double().t()
+    if bias is not None:
+        exact = exact + bias.to(torch.bfloat16).double()
+    # One bf16 rounding of the output, and float32 sums of K products in any order.
+    magnitude = x.double().abs() @ w_bf16.double().abs().t()
+    bound = exact.abs() * 2.0 ** -8 + magnitude * x.shape[-1] * 2.0 ** -24 + 1e-30
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("rows", [1, 16, 33, 64, 257])
+def test_outputs_agree_with_the_reference_kernel(rows):
+    torch.manual_seed(rows)
+    for name, (fmt, w) in _weights(96, 384, seed=rows).items():
+        bias = torch.randn(96, dtype=torch.bfloat16)
+        x = torch.randn(rows, 384, dtype=torch.bfloat16)
+        for b in (None, bias):
+            y = _run(fmt, x, w, b)
+            ref = reference_linear(x, w, b)
+            assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+            _within_fp32_accumulation(y, w.simulate_input_quantization(x), w.dequantize(torch.bfloat16), b)
+            # and as close to the reference as one bf16 rounding apart
+            assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2), name
+
+
+def test_chunks_of_rows_and_of_k():
+    # 300 rows: a chunk of 256 and one of 44 (a last 32-row block and a 12-row tail); K = 4096 at
+    # 256 rows is 2 MB of activations, past the 1 MB chunk: three chunks of k, the sums carried
+    # across them in the per-thread buffer. Also columns of x fewer than the padded K.
+    torch.manual_seed(3)
+    w = torch.randn(64, 4096) * 0.05
+    for fmt, q in (("int8", Int8Tensor.from_float(w)), ("int4", Int4Tensor.from_float(w.bfloat16(), 128).place()),
+                   ("int4dq", Int4DQTensor.from_float(w, 32).place()), ("fp8", Float8Tensor.from_float(w))):
+        x = torch.randn(300, 4096, dtype=torch.bfloat16)
+        _within_fp32_accumulation(_run(fmt, x, q), x, q.dequantize(torch.bfloat16), None)
+    padded = Int4Tensor.from_float(torch.randn(64, 320, dtype=torch.bfloat16), 128).place()  # K padded to 384
+    x = torch.randn(40, 320, dtype=torch.bfloat16)
+    _within_fp32_accumulation(_run("int4", x, padded), x, padded.dequantize(torch.bfloat16), None)
+
+
+def test_the_table_takes_the_amx_rows_where_they_apply(monkeypatch):
+    weights = _weights(64, 256)
+    for name, (fmt, w) in weights.items():
+        rows = cpu_amx.MIN_ROWS[fmt]
+
+        def chosen(m, dtype=torch.bfloat16, w=w):
+            return select_kernel("linear", torch.randn(2, m, 256, dtype=dtype), w).name
+
+        assert chosen((rows + 1) // 2) == ROW[fmt], name  # rows counted over every leading dimension
+        assert chosen(rows // 2 - 1) != ROW[fmt], name
+        for dtype in (torch.float32, torch.float16):  # AMX-BF16 multiplies bf16 only
+            assert chosen(rows, dtype) != ROW[fmt], name
+    # Shapes the tiles do not take: N or K not a multiple of 32.
+    odd = Int8Tensor.from_float(torch.randn(48, 256))
+    assert select_kernel("linear", torch.randn(64, 256, dtype=torch.bfloat16), odd).name != ROW["int8"]
+    # Without AMX (taken away by HF_AOQ_CPU_ISA), the rows never run.
+    monkeypatch.setenv("HF_AOQ_CPU_ISA", "avx512")
+    registry.forget_capabilities()
+    try:
+        w = Int8Tensor.from_float(torch.randn(64, 256))
+        assert select_kernel("linear", torch.randn(256, 256, dtype=torch.bfloat16), w).name != ROW["int8"]
+    finally:
+        monkeypatch.undo()
+        registry.forget_capabilities()
+
+
+def test_f_linear_runs_them_eagerly_and_compiled():
+    torch.manual_seed(4)
+    w = Int4Tensor.from_float(torch.randn(96, 256, dtype=torch.bfloat16), 64).place()
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    x = torch.randn(3, 40, 256, dtype=torch.bfloat16)
+    assert select_kernel("linear", x, w).name == ROW["int4"]
+    eager = F.linear(x, w, bias)
+    assert eager.shape == (3, 40, 96)
+    torch.testing.assert_close(eager, _run("int4", x, w, bias))
+    compiled = torch.compile(lambda x: F.linear(x, w, bias), fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
