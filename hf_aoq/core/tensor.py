@@ -39,6 +39,9 @@ CACHE_KEY_PARTS: list[Callable[[], str]] = []
 # (kernels/registry.py `select_kernel`). It is no field: setting any attribute drops it (a choice
 # may depend on every field), and pickling and deepcopy leave it out.
 KERNEL_CACHE = "_aoq_kernel_choices"
+# The instance attribute where kernels keep tensors derived from this tensor's fields once (a
+# decoded parameter table: kernels/common.py `derived`); dropped and left out as KERNEL_CACHE is.
+DERIVED_CACHE = "_aoq_derived"
 
 # Every class's resolved op tables (op -> implementation found through the MRO, or None), emptied
 # whenever an implementation is registered on any class (a base class's entry changes its
@@ -166,13 +169,17 @@ class AOQTensor(torch.Tensor):
         pass
 
     def __setattr__(self, name, value):
-        # A field set after construction may change which kernel applies: forget the choices.
+        # A field set after construction may change which kernel applies and what was derived
+        # from the fields: forget both.
         self.__dict__.pop(KERNEL_CACHE, None)
+        self.__dict__.pop(DERIVED_CACHE, None)
         super().__setattr__(name, value)
 
     def _clear_non_serializable_cached_data(self):
-        # torch's hook, called before pickling and deepcopy: the kernel choices hold functions.
+        # torch's hook, called before pickling and deepcopy: the kernel choices hold functions, and
+        # derived tensors are remade from the fields.
         self.__dict__.pop(KERNEL_CACHE, None)
+        self.__dict__.pop(DERIVED_CACHE, None)
         super()._clear_non_serializable_cached_data()
 
     @classmethod

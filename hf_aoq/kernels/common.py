@@ -18,6 +18,22 @@ def rows(x: torch.Tensor) -> int:
     return x.numel() // k if k else 0
 
 
+def derived(w, name: str, make):
+    """`make(w)`, computed once and kept on the weight `w` (an AOQTensor) under `name`: what a
+    kernel derives from the fields and would otherwise redo on every call (Int4DQ's decoded row
+    table). Setting any field drops it, and pickling and deepcopy leave it out
+    (core.tensor.DERIVED_CACHE). Not to be called while torch.compile traces."""
+    from ..core.tensor import DERIVED_CACHE
+
+    cache = w.__dict__.get(DERIVED_CACHE)
+    if cache is None:
+        cache = w.__dict__[DERIVED_CACHE] = {}
+    value = cache.get(name)
+    if value is None:
+        value = cache[name] = make(w)
+    return value
+
+
 def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
     """`t` if it is contiguous and starts on an ALIGNMENT boundary, else such a copy. Tensors read
     from a file view its bytes at whatever offset they have; aten's int8 CPU kernel crashes on

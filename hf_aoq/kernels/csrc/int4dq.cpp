@@ -124,23 +124,12 @@ torch::Tensor int4dq_decode(const torch::Tensor& rparams, const torch::Tensor& t
 
 namespace {
 
-// The checked parameter provider of a packed Int4DQ weight (Kp = packed's columns times two);
-// `rows` keeps the decoded row parameters it points into alive.
-DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, const torch::Tensor& rparams,
-                   const torch::Tensor& tparams, int64_t group_size, torch::Tensor& rows) {
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
-              "packed: contiguous uint8 [N, Kp/2]");
-  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
-  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
-                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
-              "gparams_t: contiguous uint8 [Kp/group_size, N]");
-  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
-  // [8, N]: dlo, dstep, clo, cstep by row, then the same in the 64-row lane order (rows past the
-  // last whole 64 in order).
+// The decoded row parameters the kernels read, float32 [8, N]: dlo, dstep, clo, cstep by row, then
+// the same in the 64-row lane order (rows past the last whole 64 in order).
+torch::Tensor dq_row_table(const torch::Tensor& rparams, const torch::Tensor& tparams) {
   const torch::Tensor dec = int4dq_decode(rparams, tparams);
-  rows = torch::empty({8, N}, dec.options());
+  const int64_t N = dec.size(0);
+  auto rows = torch::empty({8, N}, dec.options());
   const float* d = dec.data_ptr<float>();
   float* rp = rows.data_ptr<float>();
   const int64_t n64 = N / 64 * 64;
@@ -151,6 +140,34 @@ DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, 
       rp[(4 + f) * N + at] = d[n * 4 + f];
     }
   }
+  return rows;
+}
+
+// The checked parameter provider of a packed Int4DQ weight (Kp = packed's columns times two);
+// `rows` keeps the decoded row parameters it points into alive: the caller's `table`
+// (int4dq_cpu_rows, made once per weight) where given, else decoded here, per call (8-9 ns a row
+// on the Xeon: 3.4 ms of a 22-layer TinyLlama decode token).
+DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, const torch::Tensor& rparams,
+                   const torch::Tensor& tparams, int64_t group_size, torch::Tensor& rows,
+                   const c10::optional<torch::Tensor>& table = c10::nullopt) {
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
+              "packed: contiguous uint8 [N, Kp/2]");
+  TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
+  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
+                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
+              "gparams_t: contiguous uint8 [Kp/group_size, N]");
+  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
+  if (table.has_value() && table->defined()) {
+    TORCH_CHECK(table->dtype() == torch::kFloat32 && table->dim() == 2 && table->size(0) == 8 && table->size(1) == N &&
+                    table->is_contiguous(),
+                "rows: contiguous float32 [8, N] (int4dq_cpu_rows)");
+    rows = *table;
+  } else {
+    rows = dq_row_table(rparams, tparams);
+  }
+  float* rp = rows.data_ptr<float>();
   return DQParams{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N, rp + 4 * N};
 }
 
@@ -164,15 +181,27 @@ DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, 
 // dequantized exactly as the format defines and float32 GEMM.
 torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
+  return int4dq_linear_rows(x, packed, gparams_t, rparams, tparams, group_size, gemv_max_rows, int16_activations,
+                            c10::nullopt);
+}
+
+// int4dq_linear with the decoded row table (int4dq_cpu_rows) when given.
+torch::Tensor int4dq_linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+                                 torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations,
+                                 c10::optional<torch::Tensor> table) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.numel() * 2 == N * K, "packed: [N, Kp/2] for x's Kp");
   torch::Tensor rows;
-  const DQParams params = dq_params(packed, gparams_t, rparams, tparams, group_size, rows);
+  const DQParams params = dq_params(packed, gparams_t, rparams, tparams, group_size, rows, table);
   auto y = torch::empty({M, N}, x.options());
   int4_linear(x, packed.data_ptr<uint8_t>(), params, y, N, group_size, gemv_max_rows, int16_activations);
   return y;
 }
+
+// The row table the kernels read (float32 [8, N], see dq_row_table), for the caller to keep with
+// the weight and pass to int4dq_linear_io: decoding it on every call cost 8-9 ns a row.
+torch::Tensor int4dq_cpu_rows(torch::Tensor rparams, torch::Tensor tparams) { return dq_row_table(rparams, tparams); }
 
 // The weight [N, k] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
 // for aten's GEMM in that dtype at many rows. Arguments as for int4dq_linear; k <= Kp.
