@@ -2,8 +2,9 @@
 (csrc/amx_gemm.h) dequantizes each block of 32 output columns into a small bf16 panel and
 multiplies from it, so the weight is read once in its own bytes and no whole bf16 copy is made.
 
-The weight's bf16 values are the reference's `dequantize(bfloat16)`, bit for bit; the products
-are summed in float32 in the tiles' order and each output rounded once to bf16, so the outputs
+The weight's bf16 values are the reference's `dequantize(bfloat16)`, bit for bit (a float32 value
+below 2^-126 becomes zero, which the tile multiply reads as zero anyway); the products are
+summed in float32 in the tiles' order and each output rounded once to bf16, so the outputs
 agree with the reference kernel (the same weight through aten's GEMM) within float32
 accumulation (tests/kernels/test_cpu_amx.py). Above cpu_gemm.py's rows (dequantize the whole
 weight into bf16, then aten's GEMM), which remain where AMX is not: AVX512-BF16 machines.
