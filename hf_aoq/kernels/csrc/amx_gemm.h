@@ -301,10 +301,10 @@ inline void amx_write_block(float* c, bool nm, const float* bias, int64_t n0, in
 
 // y [M, N] bf16 = x [M, K] (bf16, rows ldx apart) W^T (+ bias, float32 [N] or null), W written
 // 32 output columns and a chunk of k [k0, k1) at a time by write_panel: where
-// Panel::kWeightRows, write_panel(n0, k0, k1, rows, ld) writes the weight rows n0..n0+31 as bf16
-// rows ld apart; else write_panel(n0, k0, k1, panel) writes panel[(p - k0/2) * 32 + j] = the bf16
-// pair (W[n0 + j][2p], W[n0 + j][2p + 1]). N a multiple of 32, K of 32 and of `align` (the
-// format's group; chunks of k start at its multiples).
+// Panel::kWeightRows, write_panel(n0, k0, k1, out) writes the weight rows n0..n0+31 in steps of
+// 32 k (RowScalePanel's layout); else write_panel(n0, k0, k1, panel) writes panel[(p - k0/2) * 32
+// + j] = the bf16 pair (W[n0 + j][2p], W[n0 + j][2p + 1]). N a multiple of 32, K of 32 and of
+// `align` (the format's group; chunks of k start at its multiples).
 template <class Panel>
 void amx_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t K, int64_t align, const float* bias,
                      uint16_t* y, const Panel& write_panel) {
