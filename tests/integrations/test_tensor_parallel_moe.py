@@ -1,9 +1,10 @@
 """Quantized fused MoE experts [E, N, K] under transformers' tensor and expert parallelism.
 
-transformers 5's MoE plans (Mixtral, Qwen3-MoE) cut the experts for TP: `gate_up_proj`
+transformers 5.24's MoE plans (Mixtral, Qwen3-MoE) cut the experts for TP: `gate_up_proj`
 "packed_colwise" (each rank this rank's part of the gate half and of the up half, a strided
-shard of dim 1) and `down_proj` "rowwise" (dim 2, K); gpt-oss's TP plan leaves its experts
-whole. With `DistributedConfig(tp_plan="auto", ep_size=2)` their EP plans ("grouped_gemm")
+shard of dim 1) and `down_proj` "rowwise" (dim 2, K); 5.25's leave them whole and cut the
+attention only, as gpt-oss's always left its experts. The expected shapes follow the installed
+transformers' plan (`_tp_cuts`). With `DistributedConfig(tp_plan="auto", ep_size=2)` their EP plans ("grouped_gemm")
 give each rank whole experts (a shard of dim 0), and the "ep_dispatch_experts" module runs them.
 hf_aoq cuts the quantized experts the same way (tensor_parallel.local_shard), codes and scales
 together. The distributed test launches tests/integrations/tp_worker.py once over 2 CPU
@@ -63,6 +64,12 @@ def _single_process(path, quant, implementation):
         return model, model(torch.tensor(IDS, device=model.device)).logits.float().cpu()
 
 
+def _tp_cuts(name, module):
+    """Whether the installed transformers' TP plan for `name` cuts the parameters ending in
+    `module` (5.24 cut Mixtral's and Qwen3-MoE's experts, 5.25 leaves them whole)."""
+    return any(key.endswith(module) for key in MODELS[name][1]().base_model_tp_plan or {})
+
+
 def _expected_shapes(name, api):
     """Layer 0's (gate_up_proj, down_proj) on one rank, as transformers' plans cut them."""
     if name == "gpt_oss":  # [E, in, out]; TP leaves the experts whole
@@ -71,6 +78,8 @@ def _expected_shapes(name, api):
     inter = 128 if name == "mixtral" else 64
     if api == "ep":  # two whole experts of four
         return [2, 2 * inter, 64], [2, 64, inter]
+    if not _tp_cuts(name, "experts.down_proj"):  # a TP plan that leaves the experts whole
+        return [4, 2 * inter, 64], [4, 64, inter]
     return [4, inter, 64], [4, 64, inter // 2]  # half of each of gate and up; half of K
 
 
@@ -91,8 +100,14 @@ def test_quantized_experts_load_under_tp_and_ep_over_two_processes(tmp_path):
                           "api": "ep" if api == "ep" else ("tp_plan", "distributed_config")[(i + j) % 2],
                           "distributed": EP if api == "ep" else None, "experts_implementation": impl,
                           "name": f"{run}-{api}-{source}", "model": name, "quant_name": quant})
-    # down_proj's K = 96 is cut 48 + 48 by "rowwise": inside a group of 32 of every expert.
-    cut = _checkpoint("mixtral", tmp_path / "mixtral_96", intermediate_size=96)
+    # A "rowwise" cut of K = 96 into 48 + 48 falls inside a group of 32: the experts' down_proj
+    # where the plan cuts the experts, else o_proj (6 heads of 16).
+    if _tp_cuts("mixtral", "experts.down_proj"):
+        cut = _checkpoint("mixtral", tmp_path / "mixtral_96", intermediate_size=96)
+        cut_name = "model.layers.0.mlp.experts.down_proj"
+    else:
+        cut = _checkpoint("mixtral", tmp_path / "mixtral_96", num_attention_heads=6, head_dim=16)
+        cut_name = "model.layers.0.self_attn.o_proj"
     cases.append({"path": cut, "quant": "int4", "api": "tp_plan", "name": "cuts-a-group"})
     for c in cases:
         c.update(out=str(tmp_path / f"{c['name']}.json"), input_ids=IDS)
@@ -101,7 +116,7 @@ def test_quantized_experts_load_under_tp_and_ep_over_two_processes(tmp_path):
 
     for rank in results.pop("cuts-a-group"):
         assert not rank["ok"] and rank["error"].startswith("AOQError"), rank  # refused before any weight is read
-        assert "model.layers.0.mlp.experts.down_proj" in rank["error"] and "group size 32" in rank["error"], rank
+        assert cut_name in rank["error"] and "group size 32" in rank["error"], rank
     for case in cases[:-1]:
         ref = reference[case["run"]]
         api = "ep" if case["api"] == "ep" else "tp"

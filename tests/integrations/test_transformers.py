@@ -533,9 +533,15 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(saved, tmp_path, w
     name = "../x.safetensors" if where == "parent" else str(tmp_path / "x.safetensors")
     index["weight_map"] = {k: name if v == moved else v for k, v in index["weight_map"].items()}
     json.dump(index, open(index_path, "w"))
-    with pytest.raises(FormatError, match=rf"{index_path}: .* is in shard '{re.escape(name)}', which is not a "
-                                          rf"\.safetensors file in the index's folder"):
+    # transformers >= 5.25 refuses such an index itself, naming it and the file, before hf_aoq's reader
+    # sees it; with older ones the reader refuses it (its own test: tests/serialization).
+    with pytest.raises(ValueError) as e:
         load(str(path))
+    if isinstance(e.value, FormatError):
+        assert re.search(rf"{index_path}: .* is in shard '{re.escape(name)}', which is not a \.safetensors file in "
+                         rf"the index's folder", str(e.value)), e.value
+    else:
+        assert str(index_path) in str(e.value) and name in str(e.value) and "outside" in str(e.value), e.value
 
 
 def test_a_truncated_shard_is_an_error_naming_it(saved, tmp_path):
