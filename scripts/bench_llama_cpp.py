@@ -27,7 +27,9 @@ TYPES = ("f16", "Q8_0", "Q4_0", "Q4_K_M")
 # against Q4_0's 4.5 bits and Q4_K_M; bf16 against f16). llama-quantize also quantizes the output
 # matrix (Q8_0 keeps Q8_0 there; Q4_0 and Q4_K_M write Q6_K), where hf_aoq's int4 and int8 keep
 # lm_head in bf16: the -head configs quantize it too, which reads about what llama.cpp reads.
-PAIRS = (("bf16", "f16"), ("int8", "Q8_0"), ("int8-head", "Q8_0"), ("int4", "Q4_0"), ("int4dq", "Q4_0"),
+# Q8_0's matrix products quantize the activations to 8 bits as well (blocks of 32), as int8dyn
+# does per token, so int8dyn is paired with it too.
+PAIRS = (("bf16", "f16"), ("int8", "Q8_0"), ("int8-head", "Q8_0"), ("int8dyn", "Q8_0"), ("int4", "Q4_0"), ("int4dq", "Q4_0"),
          ("int4-head", "Q4_0"), ("int4", "Q4_K_M"), ("int4dq", "Q4_K_M"), ("int4-head", "Q4_K_M"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 # Run by the converter's Python when the model has no tokenizer: every text model class writes no

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from . import cpu_ext, cpu_isa
+from .common import FLOATS
 from .common import rows as _rows
 from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features, _per_row
 from .registry import capability, opaque_op, register_kernel
@@ -37,6 +38,7 @@ def _amx_kernels(device) -> bool:
 
 
 AMX = capability("cpu:amx_kernels", "cpu", _amx_kernels)
+AMX_INT8 = capability("cpu:amx_int8_kernels", "cpu", lambda device: cpu_isa.amx_int8_allowed() and _amx_kernels(device))
 
 # Fewest bf16 activation rows at which the tile GEMM beats the weight-streaming kernels of cpu.py
 # (same run as above, tile / streaming kernel, both shapes): int4 g128 0.67/0.76 against 0.54/0.61
@@ -44,6 +46,11 @@ AMX = capability("cpu:amx_kernels", "cpu", _amx_kernels)
 # 0.82/0.73 against 0.84/0.92 at 12; int8 0.87/0.77 against 0.85/0.91 at 8, 0.90/0.81 against
 # 1.06/1.19 at 12; float8 0.95/0.74 against 1.00/1.03 at 8.
 MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 10, "fp8": 8}
+# Int8 weights with dynamic int8 activations on the int8 tiles (cpu_int8dyn_amx) against the GEMV on
+# fake-quantized activations (weights from DRAM, 64 copies, same machine, tiles / GEMV): 1.07 /
+# 0.99 at 1 row, 0.88 / 0.83 at 2, 0.74 / 0.68 at 4, 0.45 / 0.43 at 8. At one row the tiles also
+# spare the fake quantization's half-dozen aten calls, which a model's decode step pays per linear.
+INT8DYN_MIN_ROWS = 1
 
 
 def _out(x, qdata, *rest):
@@ -67,6 +74,12 @@ def int4dq_amx_linear(x: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Te
 def int8_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                     bias: Optional[torch.Tensor]) -> torch.Tensor:
     return cpu_ext.load().int8_amx_linear(x, qdata, scale, bias)
+
+
+@opaque_op("int8dyn_amx_linear_cpu", _out)
+def int8dyn_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                       bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().int8dyn_amx_linear(x, qdata, scale, bias)
 
 
 @opaque_op("fp8_amx_linear_cpu", _out)
@@ -113,6 +126,26 @@ def _int4dq(x, w, bias):
 def _int8(x, w, bias):
     x = w.simulate_input_quantization(x)
     return _apply(x, _in_features(w), int8_amx_linear, w.qdata, w.scale, bias)
+
+
+def _int8dyn_applies(x, w) -> bool:
+    # Dynamic per-token int8 activations, a scale per weight row, N a multiple of 32 and K of 64
+    # (the int8 tiles' step); any float activations (quantized inside, from their own dtype).
+    if w.act_quant != "per_token" or x.dtype not in FLOATS or not (_per_row(w) and w.qdata.is_contiguous()):
+        return False
+    n, k = w.qdata.shape
+    return n % 32 == 0 and k % 64 == 0 and _rows(x) >= INT8DYN_MIN_ROWS and x.stride(-1) == 1
+
+
+@register_kernel("linear", "Int8Tensor", "cpu_int8dyn_amx", backend="cpu", priority=40, device="cpu",
+                 needs=(CPU_EXT, AMX_INT8), when=_int8dyn_applies)
+def _int8dyn(x, w, bias):
+    """Int8 weights with dynamic int8 activations: the activations' codes and scales are the
+    reference's (common.quantize_int8_per_token, computed in C++), multiplied on AMX's int8 tiles
+    in exact int32 sums, then scaled in float32 (csrc/int8.cpp int8dyn_amx_linear). The reference
+    rounds the dequantized activations and weight to x's dtype first, so the outputs differ by
+    that rounding, not by the integer products."""
+    return _apply(x, w.qdata.shape[1], int8dyn_amx_linear, w.qdata, w.scale, bias)
 
 
 @register_kernel("linear", "Float8Tensor", "cpu_fp8_amx", backend="cpu", priority=25, device="cpu", needs=_NEEDS,

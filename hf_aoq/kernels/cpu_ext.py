@@ -31,7 +31,7 @@ FUNCTIONS = [
     "mx_linear_io", "mx_quantize_rows", "mx_fake_quantize", "mx_dequantize", "int8_int4_linear_io", "intx_linear_io",
     "intx_dequantize", "nvfp4_linear_io", "fpx_linear_io", "fpx_dequantize", "fp8_sparse_linear_io", "fp8_sparse_dequantize",
     "nvfp4_quantize_rows", "nvfp4_fake_quantize", "nvfp4_dequantize",
-    "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "fp8_amx_linear", "amx_available",
+    "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "fp8_amx_linear", "amx_available",
 ]
 # No contraction of a separate multiply and add into an FMA: the dequantizing kernels must round
 # as the reference does.

@@ -70,6 +70,11 @@ def amx_bf16_allowed() -> bool:
     return _allowed_by_env("amx") and set(AMX_FLAGS) <= build_cache.cpu_features() and _amx_permitted()
 
 
+def amx_int8_allowed() -> bool:
+    """AMX tiles with int8 multiplies (TDPBSSD), implemented and granted to this process."""
+    return amx_bf16_allowed() and "amx_int8" in build_cache.cpu_features()
+
+
 def bf16_gemm_isa() -> str | None:
     """The instruction set aten's (oneDNN's) bf16 GEMM runs on here: "amx", "avx512_bf16", or None
     when it has neither (then a bf16 GEMM is an emulation slower than float32)."""
@@ -100,5 +105,6 @@ def describe() -> dict:
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
         "avx512": avx512_allowed(),
         "amx_bf16": amx_bf16_allowed(),
+        "amx_int8": amx_int8_allowed(),
         "bf16_gemm": bf16_gemm_isa(),
     }

@@ -35,6 +35,7 @@ def amx_rows_held_off(monkeypatch):
 
     for fmt in cpu_amx.MIN_ROWS:
         monkeypatch.setitem(cpu_amx.MIN_ROWS, fmt, 1 << 30)
+    monkeypatch.setattr(cpu_amx, "INT8DYN_MIN_ROWS", 1 << 30)
 
 
 @pytest.fixture

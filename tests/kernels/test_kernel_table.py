@@ -85,12 +85,14 @@ TABLE = [
     ("linear", "Int4Tensor", "cpu_int4pack", "reference"),
     ("linear", "Int4Tensor", "cuda_tinygemm", "cuda_tinygemm"),
     ("linear", "Int4Tensor", "cuda_tinygemm", "reference"),
+    ("linear", "Int8Tensor", "canonical", "cpu_int8dyn_amx"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_amx"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_bf16_gemm"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_ext"),
     ("linear", "Int8Tensor", "canonical", "cuda_int_mm"),
     ("linear", "Int8Tensor", "canonical", "triton_int8_gemv"),
     ("linear", "Int8Tensor", "canonical", "reference"),
+    ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8dyn_amx"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_amx"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_bf16_gemm"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_ext"),
@@ -121,7 +123,7 @@ def test_each_packing_names_the_kernels_that_read_it():
         "cpu_int4_pairs": ["cpu_int8_int4_ext", "cpu_int4_amx", "cpu_int4_bf16_gemm", "cpu_int4_ext"],
         "cpu_int4pack": ["cpu_int4pack_mm"],
         "cpu_int4dq": ["cpu_int4dq_amx", "cpu_int4dq_bf16_gemm", "cpu_int4dq_ext"],
-        "cpu_int8_aligned": ["cpu_int8_amx", "cpu_int8_bf16_gemm", "cpu_int8_ext", "cpu_int8pack_mm"],
+        "cpu_int8_aligned": ["cpu_int8dyn_amx", "cpu_int8_amx", "cpu_int8_bf16_gemm", "cpu_int8_ext", "cpu_int8pack_mm"],
         "cuda_tinygemm": ["cuda_tinygemm"],
     }
     for packing, names in reads.items():
@@ -146,10 +148,12 @@ def test_cpu_picks_fast_kernels():
     int4 = "cpu_int4_ext" if cpu_ext.available() else "cpu_int4pack_mm"
     int8 = "cpu_int8_ext" if cpu_ext.available() else "cpu_int8pack_mm"
     fp8 = "cpu_fp8_gemv" if cpu_ext.available() else "reference"
+    # Dynamic int8 activations on AMX's int8 tiles where the CPU grants them (kernels/cpu_amx.py).
+    int8dyn = "cpu_int8dyn_amx" if kernels.capable((kernels.cpu.CPU_EXT, kernels.cpu_amx.AMX_INT8), torch.device("cpu")) else int8
     picks = {
         "Int4": (Int4WeightOnlyConfig(64), int4),
         "Int8": (Int8WeightOnlyConfig(), int8),
-        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8),
+        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8dyn),
         "Float8": (Float8WeightOnlyConfig(), fp8),
         "Float8dyn": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), fp8),
     }
@@ -324,6 +328,7 @@ def test_compiled_graphs_run_the_kernel_eager_mode_runs(config):
         "cpu_int4dq_ext": ["hf_aoq.int4dq_linear_io_cpu.default"],
         "cpu_intx_ext": ["hf_aoq.intx_linear_io_cpu.default"],
         "cpu_int8_int4_ext": ["hf_aoq.int8_int4_linear_io_cpu.default"],
+        "cpu_int8dyn_amx": ["hf_aoq.int8dyn_amx_linear_cpu.default"],
     }.get(kernel.name, [])
     assert custom == expected, (kernel.name, ops)
     if kernel.name == "cpu_int4pack_mm":

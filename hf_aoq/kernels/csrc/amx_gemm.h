@@ -77,7 +77,7 @@ inline void check_amx_usable() {
 
 #if HF_AOQ_AMX
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8")
 
 constexpr int64_t kAmxBlockN = 32;             // output columns per panel (two B tiles)
 constexpr int64_t kAmxMaxRows = 256;           // activation rows per chunk
@@ -138,6 +138,7 @@ inline void transpose16x16_epi32(__m512i* r) {
 template <typename T, class Lanes>
 struct RowScalePanel {
   static constexpr bool kWeightRows = true;
+  using Elem = uint16_t;
   const T* q;
   const float* scale;
   int64_t K;
@@ -174,6 +175,7 @@ struct RowScalePanel {
 template <class P>
 struct Int4PairsPanel {
   static constexpr bool kWeightRows = false;
+  using Elem = uint32_t;
   const uint8_t* w;  // the pairs layout, full blocks of 32 rows
   P params;
   int64_t K, gs;
@@ -209,47 +211,65 @@ struct Int4PairsPanel {
   }
 };
 
-// The k of each chunk: all of K when rows x K fits kAmxChunkBytes, else the largest multiple of
-// `align` (a multiple of 32: the tile step, and of the format's group) that does.
-inline int64_t amx_chunk_k(int64_t rows, int64_t K, int64_t align) {
-  if (rows * K * 2 <= kAmxChunkBytes) return K;
-  return std::max(align, kAmxChunkBytes / (rows * 2) / align * align);
+// Panel writer for int8 codes ([N, K], row-major), the weight as the A operand of the int8 tile
+// multiply: rows n0..n0+31, k in [k0, k1), copied as they are in steps of 64 k: out[((k - k0) / 64
+// * 32 + r) * 64 + k % 64], a step's two A tiles one contiguous 2 KB (as RowScalePanel's).
+struct Int8RowsPanel {
+  static constexpr bool kWeightRows = true;
+  using Elem = uint8_t;
+  const int8_t* q;
+  int64_t K;
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint8_t* out) const {
+    for (int64_t k = k0; k < k1; k += 64)
+      for (int r = 0; r < kAmxBlockN; ++r)
+        _mm512_storeu_si512(out + (k - k0) * 32 + r * 64, _mm512_loadu_si512(q + (n0 + r) * K + k));
+  }
+};
+
+// The k of each chunk: all of K when rows x K x bytes fits kAmxChunkBytes, else K split into as
+// few chunks as keep each near that size, of even length in multiples of `align` (a multiple of
+// the tile step, and of the format's group; the last chunk may be shorter).
+inline int64_t amx_chunk_k(int64_t rows, int64_t K, int64_t bytes, int64_t align) {
+  if (rows * K * bytes <= kAmxChunkBytes) return K;
+  const int64_t chunks = (rows * K * bytes + kAmxChunkBytes - 1) / kAmxChunkBytes;
+  return std::max(align, ((K + chunks - 1) / chunks + align - 1) / align * align);
 }
 
-// x [M, K] (bf16, rows ldx apart) in steps of 32 k, the A operand where the weight is B: per
-// block of 32 rows and step, the 32 rows' 32 values (2 KB, rows past M zero), so that a step's two
-// A tiles are contiguous. Read in place, x's rows (4 KB apart at K = 2048) put each tile's 16 rows
-// in one L1 set.
-inline void amx_pack_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out) {
-  const int64_t steps = K / 32, blocks = (M + 31) / 32;
+// x [M, row_bytes] (rows ldx bytes apart; bf16 or int8 values) in steps of 64 bytes of k, the A
+// operand where the weight is B: per block of 32 rows and step, the 32 rows' 64 bytes (2 KB, rows
+// past M zero), so that a step's two A tiles are contiguous. Read in place, x's rows (4 KB apart
+// at K = 2048 in bf16) put each tile's 16 rows in one L1 set.
+inline void amx_pack_rows(const uint8_t* x, int64_t ldx, int64_t M, int64_t row_bytes, uint8_t* out) {
+  const int64_t steps = row_bytes / 64, blocks = (M + 31) / 32;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t mb = b0; mb < b1; ++mb)
       for (int64_t r = 0; r < 32; ++r) {
         const int64_t m = 32 * mb + r;
         for (int64_t s = 0; s < steps; ++s)
-          _mm512_storeu_si512(out + ((mb * steps + s) * 32 + r) * 32,
-                              m < M ? _mm512_loadu_si512(x + m * ldx + 32 * s) : _mm512_setzero_si512());
+          _mm512_storeu_si512(out + ((mb * steps + s) * 32 + r) * 64,
+                              m < M ? _mm512_loadu_si512(x + m * ldx + 64 * s) : _mm512_setzero_si512());
       }
   });
 }
 
-// x [M, K] (bf16, rows ldx apart) as 32-bit k-pairs, the B operand where the weight is A: per
-// block of 32 rows, [K/2][32] (rows past M zero), so that one block's tiles for successive k are
-// contiguous (2 KB a step), as the weight's panel is where it is B. A plain [K/2][M] layout put a
-// tile's 16 rows M x 4 bytes apart, a stride the hardware prefetcher did not follow: at 256 rows
-// the int8 kernel took 1.7x dense bf16's time instead of 0.6x at 64.
-inline void amx_pack_pairs(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint32_t* out) {
-  const int64_t pairs = K / 2, blocks = (M + 31) / 32;
-  at::parallel_for(0, blocks * (pairs / 16), 1, [&](int64_t t0, int64_t t1) {
+// x [M, row_bytes] (rows ldx bytes apart) as 32-bit lanes of consecutive k (bf16 pairs, or int8
+// quads), the B operand where the weight is A: per block of 32 rows, [row_bytes / 4][32] (rows
+// past M zero), so that one block's tiles for successive k are contiguous (2 KB a step), as the
+// weight's panel is where it is B. A plain [K/2][M] layout put a tile's 16 rows M x 4 bytes apart,
+// a stride the hardware prefetcher did not follow: at 256 rows the int8 kernel took 1.7x dense
+// bf16's time instead of 0.6x at 64.
+inline void amx_pack_lanes(const uint8_t* x, int64_t ldx, int64_t M, int64_t row_bytes, uint32_t* out) {
+  const int64_t lanes = row_bytes / 4, blocks = (M + 31) / 32;
+  at::parallel_for(0, blocks * (lanes / 16), 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t mb = t / (pairs / 16), p0 = t % (pairs / 16) * 16;
+      const int64_t mb = t / (lanes / 16), p0 = t % (lanes / 16) * 16;
       for (int h = 0; h < 2; ++h) {
         const int64_t m0 = 32 * mb + 16 * h;
         __m512i r[16];
-        for (int i = 0; i < 16; ++i)  // row m0 + i's pairs p0..p0+15 (K is a multiple of 32)
-          r[i] = m0 + i < M ? _mm512_loadu_si512(x + (m0 + i) * ldx + 2 * p0) : _mm512_setzero_si512();
+        for (int i = 0; i < 16; ++i)  // row m0 + i's lanes p0..p0+15 (row_bytes is a multiple of 64)
+          r[i] = m0 + i < M ? _mm512_loadu_si512(x + (m0 + i) * ldx + 4 * p0) : _mm512_setzero_si512();
         transpose16x16_epi32(r);
-        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (mb * pairs + p0 + j) * 32 + 16 * h, r[j]);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (mb * lanes + p0 + j) * 32 + 16 * h, r[j]);
       }
     }
   });
@@ -271,27 +291,31 @@ inline void amx_load_sums(const float* c) {
   _tile_loadd(3, c + 16 * 32 + 16, 128);
 }
 
-// Output rows m0..m0+rows-1, columns n0..n0+31 of y (bf16, N columns): c's sums plus the bias,
-// one rounding each. c is [m][n], or [n][m] (transposed here, 16 x 16 at a time) when nm.
-inline void amx_write_block(float* c, bool nm, const float* bias, int64_t n0, int64_t rows, uint16_t* y, int64_t N) {
-  if (nm)
-    for (int bi = 0; bi < 2; ++bi)
-      for (int bj = 0; bj < 2; ++bj) {
-        if (bi > bj) continue;  // swap the off-diagonal blocks pairwise, each transposed
-        __m512i a[16], b[16];
-        for (int i = 0; i < 16; ++i) a[i] = _mm512_load_si512(c + (16 * bi + i) * 32 + 16 * bj);
-        transpose16x16_epi32(a);
-        if (bi == bj) {
-          for (int i = 0; i < 16; ++i) _mm512_store_si512(c + (16 * bi + i) * 32 + 16 * bj, a[i]);
-          continue;
-        }
-        for (int i = 0; i < 16; ++i) b[i] = _mm512_load_si512(c + (16 * bj + i) * 32 + 16 * bi);
-        transpose16x16_epi32(b);
-        for (int i = 0; i < 16; ++i) {
-          _mm512_store_si512(c + (16 * bj + i) * 32 + 16 * bi, a[i]);
-          _mm512_store_si512(c + (16 * bi + i) * 32 + 16 * bj, b[i]);
-        }
+// c (32 x 32 sums of 4 bytes, [n][m] as the tiles leave them where the weight is A) into [m][n],
+// 16 x 16 at a time.
+inline void amx_transpose_block(float* c) {
+  for (int bi = 0; bi < 2; ++bi)
+    for (int bj = bi; bj < 2; ++bj) {  // swap the off-diagonal blocks pairwise, each transposed
+      __m512i a[16], b[16];
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_load_si512(c + (16 * bi + i) * 32 + 16 * bj);
+      transpose16x16_epi32(a);
+      if (bi == bj) {
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(c + (16 * bi + i) * 32 + 16 * bj, a[i]);
+        continue;
       }
+      for (int i = 0; i < 16; ++i) b[i] = _mm512_load_si512(c + (16 * bj + i) * 32 + 16 * bi);
+      transpose16x16_epi32(b);
+      for (int i = 0; i < 16; ++i) {
+        _mm512_store_si512(c + (16 * bj + i) * 32 + 16 * bi, a[i]);
+        _mm512_store_si512(c + (16 * bi + i) * 32 + 16 * bj, b[i]);
+      }
+    }
+}
+
+// Output rows m0..m0+rows-1, columns n0..n0+31 of y (bf16, N columns): c's sums plus the bias,
+// one rounding each. c is [m][n], or [n][m] (transposed here) when nm.
+inline void amx_write_block(float* c, bool nm, const float* bias, int64_t n0, int64_t rows, uint16_t* y, int64_t N) {
+  if (nm) amx_transpose_block(c);
   const __m512 bias0 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
   const __m512 bias1 = bias ? _mm512_loadu_ps(bias + n0 + 16) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r)
@@ -299,22 +323,27 @@ inline void amx_write_block(float* c, bool nm, const float* bias, int64_t n0, in
                                                   _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), bias1)));
 }
 
-// y [M, N] bf16 = x [M, K] (bf16, rows ldx apart) W^T (+ bias, float32 [N] or null), W written
-// 32 output columns and a chunk of k [k0, k1) at a time by write_panel: where
-// Panel::kWeightRows, write_panel(n0, k0, k1, out) writes the weight rows n0..n0+31 in steps of
-// 32 k (RowScalePanel's layout); else write_panel(n0, k0, k1, panel) writes panel[(p - k0/2) * 32
-// + j] = the bf16 pair (W[n0 + j][2p], W[n0 + j][2p + 1]). N a multiple of 32, K of 32 and of
-// `align` (the format's group; chunks of k start at its multiples).
-template <class Panel>
-void amx_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t K, int64_t align, const float* bias,
-                     uint16_t* y, const Panel& write_panel) {
+// The tile loop for x [M, K] (rows ldx bytes apart) and a weight [N, K] of kBytes-wide values:
+// bf16 (2: TDPBF16PS, float32 sums) or int8 (1: TDPBSSD, int32 sums), 64 bytes of k a step. The
+// weight is written 32 output columns and a chunk of k [k0, k1) at a time by write_panel into a
+// buffer of Panel::Elem: where Panel::kWeightRows, the weight rows n0..n0+31 in steps of 64 bytes
+// (RowScalePanel's layout); else the k-lanes of 4 bytes of columns n0..n0+31 (panel[(p - p0) * 32
+// + j] = W[n0 + j]'s lane p). Each finished 32 x 32 block of sums goes to out(c, nm, n0, m0, rows):
+// c holds the 4-byte sums, [n][m] when nm (the weight was A), else [m][n]. N a multiple of 32,
+// K x kBytes of 64, `align` of 64 / kBytes and of the format's group (chunks of k start at its
+// multiples).
+template <int kBytes, class Panel, class Out>
+void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64_t K, int64_t align,
+                      const Panel& write_panel, const Out& out) {
+  static_assert(kBytes == 1 || kBytes == 2, "bf16 or int8 values");
   constexpr bool rows_panel = Panel::kWeightRows;
-  // x once per call, blocked for the tiles (M x K x 2 bytes, small beside the weight at prefill).
-  std::vector<uint32_t> xb((M + 31) / 32 * 32 * K / 2);
+  constexpr int64_t lanes_per_k = 4 / kBytes;  // k per 4-byte lane; a step is 16 lanes, 64 bytes
+  // x once per call, blocked for the tiles (M x K x kBytes, small beside the weight at prefill).
+  std::vector<uint32_t> xb((M + 31) / 32 * 32 * K / lanes_per_k);
   if (rows_panel)
-    amx_pack_pairs(x, ldx, M, K, xb.data());
+    amx_pack_lanes(x, ldx, M, K * kBytes, xb.data());
   else
-    amx_pack_rows(x, ldx, M, K, reinterpret_cast<uint16_t*>(xb.data()));
+    amx_pack_rows(x, ldx, M, K * kBytes, reinterpret_cast<uint8_t*>(xb.data()));
   const int64_t blocks = N / kAmxBlockN;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     amx_configure();
@@ -325,19 +354,16 @@ void amx_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t N, int64
     for (int64_t mc0 = 0; mc0 < M; mc0 += kAmxMaxRows) {
       const int64_t mrows = std::min(kAmxMaxRows, M - mc0);
       const int64_t padded = (mrows + 31) / 32 * 32;
-      const int64_t kc = amx_chunk_k(mrows, K, align);
+      const int64_t kc = amx_chunk_k(mrows, K, kBytes, align);
       const bool chunked = kc < K;
-      panel.resize(kc / 2 * kAmxBlockN);
+      panel.resize(kc / lanes_per_k * kAmxBlockN);
       if (chunked) sums.resize(mine * padded * kAmxBlockN);
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t k1 = std::min(K, k0 + kc);
         const bool first = k0 == 0, last = k1 == K;
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n0 = b * kAmxBlockN;
-          if constexpr (rows_panel)
-            write_panel(n0, k0, k1, reinterpret_cast<uint16_t*>(panel.data()));
-          else
-            write_panel(n0, k0, k1, panel.data());
+          write_panel(n0, k0, k1, reinterpret_cast<typename Panel::Elem*>(panel.data()));
           const uint32_t* w = panel.data();
           for (int64_t m0 = 0; m0 < mrows; m0 += 32) {
             float* acc = chunked ? sums.data() + ((b - b0) * padded + m0) * kAmxBlockN : nullptr;
@@ -349,38 +375,56 @@ void amx_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t N, int64
             } else {
               amx_load_sums(acc);
             }
-            // Per step of 32 k, 2 KB of x's block and 2 KB of the panel, each holding two tiles:
-            // rows (16 x 64 bytes, the second at +1 KB) or k-pairs (16 x 128 bytes, the second at
-            // +64 bytes).
-            const uint32_t* a = xb.data() + (mc0 + m0) / 32 * (K / 2) * 32;
-            for (int64_t k = k0; k < k1; k += 32) {
-              const uint32_t* xs = a + k / 2 * 32;
-              const uint32_t* ws = w + (k - k0) / 2 * 32;
-              if constexpr (rows_panel) {  // A: the weight's rows; B: x's k-pairs
+            // Per step of 64 bytes of k, 2 KB of x's block and 2 KB of the panel, each holding
+            // two tiles: rows (16 x 64 bytes, the second at +1 KB) or k-lanes (16 x 128 bytes, the
+            // second at +64 bytes).
+            const uint32_t* a = xb.data() + (mc0 + m0) / 32 * (K / lanes_per_k) * 32;
+            for (int64_t k = k0; k < k1; k += 16 * lanes_per_k) {
+              const uint32_t* xs = a + k / lanes_per_k * 32;
+              const uint32_t* ws = w + (k - k0) / lanes_per_k * 32;
+              if constexpr (rows_panel) {  // A: the weight's rows; B: x's k-lanes
                 _tile_loadd(4, ws, 64);
                 _tile_loadd(5, ws + 256, 64);
                 _tile_loadd(6, xs, 128);
                 _tile_loadd(7, xs + 16, 128);
-              } else {  // A: x's rows; B: the weight's k-pairs
+              } else {  // A: x's rows; B: the weight's k-lanes
                 _tile_loadd(4, xs, 64);
                 _tile_loadd(5, xs + 256, 64);
                 _tile_loadd(6, ws, 128);
                 _tile_loadd(7, ws + 16, 128);
               }
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
+              if constexpr (kBytes == 2) {
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+              } else {
+                _tile_dpbssd(0, 4, 6);
+                _tile_dpbssd(1, 4, 7);
+                _tile_dpbssd(2, 5, 6);
+                _tile_dpbssd(3, 5, 7);
+              }
             }
             amx_store_sums(last ? c : acc);
-            if (last)
-              amx_write_block(c, rows_panel, bias, n0, std::min<int64_t>(32, mrows - m0), y + (mc0 + m0) * N, N);
+            if (last) out(c, rows_panel, n0, mc0 + m0, std::min<int64_t>(32, mrows - m0));
           }
         }
       }
     }
     _tile_release();
   });
+}
+
+// y [M, N] bf16 = x [M, K] (bf16, rows ldx apart) W^T (+ bias, float32 [N] or null), the weight
+// written by write_panel (amx_linear_tiles; RowScalePanel or Int4PairsPanel). N a multiple of 32,
+// K of 32 and of `align`.
+template <class Panel>
+void amx_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t K, int64_t align, const float* bias,
+                     uint16_t* y, const Panel& write_panel) {
+  amx_linear_tiles<2>(reinterpret_cast<const uint8_t*>(x), ldx * 2, M, N, K, align, write_panel,
+                      [&](float* c, bool nm, int64_t n0, int64_t m0, int64_t rows) {
+                        amx_write_block(c, nm, bias, n0, rows, y + m0 * N, N);
+                      });
 }
 
 #pragma GCC pop_options

@@ -243,6 +243,7 @@ struct Fp8Lanes {
 // intermediate floats are denormal for subnormal codes.
 struct Fp8Panel {
   static constexpr bool kWeightRows = true;
+  using Elem = uint16_t;
   RowScalePanel<uint8_t, Fp8Lanes> rows;
   void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
     DenormalsKept keep;

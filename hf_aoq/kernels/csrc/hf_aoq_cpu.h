@@ -22,6 +22,9 @@ torch::Tensor int4pack_amx_linear(torch::Tensor x, torch::Tensor packed, torch::
 torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias);
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
+// int8.cpp: int8 weights with dynamic int8 activations on AMX's int8 tiles, x float32, bf16 or
+// fp16 (quantized per row inside, as the reference does); [M, N] in x's dtype.
+torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
                              c10::optional<torch::Tensor> bias);
 // amx.cpp: whether this binary has the AMX kernels and this process may run them.
