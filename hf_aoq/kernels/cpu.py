@@ -338,13 +338,22 @@ def int8_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bi
     return cpu_ext.load().int8_linear_io(x, qdata, scale, bias, INT8_GEMV_MAX_ROWS)
 
 
+@opaque_op("int8dyn_linear_io_cpu", _linear_out)
+def int8dyn_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().int8dyn_linear_io(x, qdata, scale, bias, INT8_GEMV_MAX_ROWS)
+
+
 # hf_aoq's kernel reads codes at any alignment: canonical weights (and so the aligned packing).
 @register_kernel("linear", "Int8Tensor", "cpu_int8_ext", backend="cpu", priority=20, device="cpu", needs=(CPU_EXT,),
                  when=_per_row_float_input)
 def int8_ext_linear(x, w, bias):
     """Weight-only and dynamic int8 alike (dynamic activations are quantized per token and
-    dequantized in x's dtype first, as the reference does), computed in float32."""
-    return int8_linear_io(w.simulate_input_quantization(x), w.qdata, w.scale, bias)
+    dequantized in x's dtype first, as the reference does, inside the same C++ call), computed
+    in float32."""
+    if w.act_quant == "per_token":
+        return int8dyn_linear_io(x, w.qdata, w.scale, bias)
+    return int8_linear_io(x, w.qdata, w.scale, bias)
 
 
 # ---------------------------------------------------------------------- float8

@@ -112,6 +112,12 @@ def test_chunks_of_rows_and_of_k():
                    ("int4dq", Int4DQTensor.from_float(w, 32).place()), ("fp8", Float8Tensor.from_float(w))):
         x = torch.randn(300, 4096, dtype=torch.bfloat16)
         _within_fp32_accumulation(_run(fmt, x, q), x, q.dequantize(torch.bfloat16), None)
+    # At most 16 rows (half blocks: the tiles of rows 16-31 skipped) with k in chunks: 12 rows x
+    # 49152 is 1.2 MB of bf16 activations.
+    w = torch.randn(32, 49152) * 0.05
+    x = torch.randn(12, 49152, dtype=torch.bfloat16)
+    for fmt, q in (("int8", Int8Tensor.from_float(w)), ("int4", Int4Tensor.from_float(w.bfloat16(), 128).place())):
+        _within_fp32_accumulation(_run(fmt, x, q), x, q.dequantize(torch.bfloat16), None)
     padded = Int4Tensor.from_float(torch.randn(64, 320, dtype=torch.bfloat16), 128).place()  # K padded to 384
     x = torch.randn(40, 320, dtype=torch.bfloat16)
     _within_fp32_accumulation(_run("int4", x, padded), x, padded.dequantize(torch.bfloat16), None)
@@ -173,10 +179,11 @@ def _int8dyn_expected(x: torch.Tensor, w: Int8Tensor, bias) -> torch.Tensor:
 
 @needs_amx_int8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,k", [(1, 128), (33, 384), (300, 8192)])
+@pytest.mark.parametrize("rows,k", [(1, 128), (33, 384), (300, 8192), (9, 131072)])
 def test_int8_tiles_take_the_reference_codes_and_sum_them_exactly(dtype, rows, k):
     # 300 rows x 8192: a chunk of 256 rows and one of 44, and k in chunks (2 MB of codes at 256
-    # rows), the int32 sums carried across them; an outlier channel, so rows' scales differ.
+    # rows), the int32 sums carried across them; 9 rows x 131072: a half block (rows 16-31 not
+    # multiplied) with k in chunks; an outlier channel, so rows' scales differ.
     torch.manual_seed(rows)
     w = Int8Tensor.from_float(torch.randn(96, k) * 0.05, act_quant="per_token")
     x = torch.randn(rows, k, dtype=dtype)
@@ -208,8 +215,10 @@ def test_the_table_takes_the_int8_tile_row(monkeypatch):
     row = "cpu_int8dyn_amx"
     dyn = Int8Tensor.from_float(torch.randn(64, 256), act_quant="per_token")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert select_kernel("linear", torch.randn(1, 256, dtype=dtype), dyn).name == row
+        assert select_kernel("linear", torch.randn(2, 2, 256, dtype=dtype), dyn).name == row
         assert select_kernel("linear", torch.randn(4, 7, 256, dtype=dtype), dyn).name == row
+        # Fewer rows: the GEMV on activations fake-quantized in the same C++ call.
+        assert select_kernel("linear", torch.randn(1, 3, 256, dtype=dtype), dyn).name == "cpu_int8_ext"
     # Weight-only int8, K not a multiple of 64, N not of 32, or an input whose last dimension is
     # strided: other rows.
     assert select_kernel("linear", torch.randn(64, 256, dtype=torch.bfloat16), Int8Tensor.from_float(

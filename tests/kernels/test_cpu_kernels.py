@@ -150,6 +150,30 @@ def test_int8_kernel_matches_reference(k, act_quant, n):
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_dynamic_activations_fake_quantized_in_cpp_as_in_python(dtype):
+    """cpu_int8_ext quantizes dynamic activations inside its C++ call (int8dyn_linear_io): the
+    numbers of Int8Tensor.simulate_input_quantization followed by the weight-only kernel, bit for
+    bit, at every row count, with an outlier channel and with NaN / inf rows."""
+    torch.manual_seed(0)
+    q = Int8Tensor.from_float(torch.randn(42, 200), act_quant="per_token")
+    ext = cpu_ext.load()
+    for m in (1, 3, cpu.INT8_GEMV_MAX_ROWS + 1):
+        x = torch.randn(m, 200).to(dtype)
+        x[0, 7] *= 60
+        bias = torch.randn(42).to(dtype)
+        for b in (None, bias):
+            got = cpu.int8_ext_linear(x, q, b)
+            want = ext.int8_linear_io(q.simulate_input_quantization(x), q.qdata, q.scale, b, cpu.INT8_GEMV_MAX_ROWS)
+            assert torch.equal(got, want), (m, dtype)
+    x = torch.randn(3, 200).to(dtype)
+    x[1, 5], x[2, 9] = float("nan"), float("inf")
+    y = cpu.int8_ext_linear(x, q, None)
+    assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any() and not torch.isfinite(y[2]).all()
+    assert torch.equal(y[0], cpu.int8_ext_linear(x[:1], q, None)[0])
+
+
+@needs_ext
 def test_int8_kernel_through_a_transposed_weight():
     """`x @ w.t()` reaches the kernel through the transposed view, which is contiguous again."""
     torch.manual_seed(0)

@@ -148,12 +148,10 @@ def test_cpu_picks_fast_kernels():
     int4 = "cpu_int4_ext" if cpu_ext.available() else "cpu_int4pack_mm"
     int8 = "cpu_int8_ext" if cpu_ext.available() else "cpu_int8pack_mm"
     fp8 = "cpu_fp8_gemv" if cpu_ext.available() else "reference"
-    # Dynamic int8 activations on AMX's int8 tiles where the CPU grants them (kernels/cpu_amx.py).
-    int8dyn = "cpu_int8dyn_amx" if kernels.capable((kernels.cpu.CPU_EXT, kernels.cpu_amx.AMX_INT8), torch.device("cpu")) else int8
     picks = {
         "Int4": (Int4WeightOnlyConfig(64), int4),
         "Int8": (Int8WeightOnlyConfig(), int8),
-        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8dyn),
+        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8),  # 2 rows: below cpu_amx.INT8DYN_MIN_ROWS
         "Float8": (Float8WeightOnlyConfig(), fp8),
         "Float8dyn": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), fp8),
     }
@@ -322,7 +320,8 @@ def test_compiled_graphs_run_the_kernel_eager_mode_runs(config):
     custom = [op for op in ops if op.startswith("hf_aoq.")]
     expected = {
         "cpu_int4_ext": ["hf_aoq.int4_linear_io_cpu.default"],
-        "cpu_int8_ext": ["hf_aoq.int8_linear_io_cpu.default"],
+        "cpu_int8_ext": ["hf_aoq.int8dyn_linear_io_cpu.default" if getattr(lin.weight, "act_quant", None) else
+                         "hf_aoq.int8_linear_io_cpu.default"],
         "cpu_int8pack_mm": ["hf_aoq.int8pack_mm_cpu.default"],
         "cpu_fp8_gemv": ["hf_aoq.fp8_linear_io_cpu.default"],
         "cpu_int4dq_ext": ["hf_aoq.int4dq_linear_io_cpu.default"],

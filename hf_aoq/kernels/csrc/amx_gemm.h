@@ -275,20 +275,72 @@ inline void amx_pack_lanes(const uint8_t* x, int64_t ldx, int64_t M, int64_t row
   });
 }
 
-// The four sum tiles of a 32 x 32 block into c (32 x 32 float32, rows 128 bytes apart) in the
-// tiles' own orientation: [m][n] where the weight is B, [n][m] where it is A.
+// The sum tiles of a 32 x 32 block into c (32 x 32 float32, rows 128 bytes apart) in the tiles'
+// own orientation: [m][n] where the weight is B, [n][m] where it is A. A half block (at most 16
+// activation rows) has only the two tiles of activation rows 0-15: 0 and 2 where the weight is A
+// (its rows 0-15 and 16-31 against x's B tile), 0 and 1 where it is B.
+template <bool kHalf, bool kWeightRows>
 inline void amx_store_sums(float* c) {
   _tile_stored(0, c, 128);
-  _tile_stored(1, c + 16, 128);
-  _tile_stored(2, c + 16 * 32, 128);
-  _tile_stored(3, c + 16 * 32 + 16, 128);
+  if (!kHalf || !kWeightRows) _tile_stored(1, c + 16, 128);
+  if (!kHalf || kWeightRows) _tile_stored(2, c + 16 * 32, 128);
+  if (!kHalf) _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
+template <bool kHalf, bool kWeightRows>
 inline void amx_load_sums(const float* c) {
   _tile_loadd(0, c, 128);
-  _tile_loadd(1, c + 16, 128);
-  _tile_loadd(2, c + 16 * 32, 128);
-  _tile_loadd(3, c + 16 * 32 + 16, 128);
+  if (!kHalf || !kWeightRows) _tile_loadd(1, c + 16, 128);
+  if (!kHalf || kWeightRows) _tile_loadd(2, c + 16 * 32, 128);
+  if (!kHalf) _tile_loadd(3, c + 16 * 32 + 16, 128);
+}
+
+// One block's multiply over k in [k0, k1): x's 32-row block at a (k-lanes or rows, as packed for
+// the side it takes) against the panel w, into the sum tiles (zeroed first, or loaded from acc),
+// stored to out. kHalf: the block's activation rows past 16 are all padding, so the tiles of rows
+// 16-31 are neither loaded nor multiplied (half the tile work at 1-16 rows and in tails).
+template <int kBytes, bool kWeightRows, bool kHalf>
+inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t k1, const float* acc, float* out) {
+  constexpr int64_t lanes_per_k = 4 / kBytes;
+  if (acc == nullptr) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    amx_load_sums<kHalf, kWeightRows>(acc);
+  }
+  // Per step of 64 bytes of k, 2 KB of x's block and 2 KB of the panel, each holding two tiles:
+  // rows (16 x 64 bytes, the second at +1 KB) or k-lanes (16 x 128 bytes, the second at +64
+  // bytes).
+  for (int64_t k = k0; k < k1; k += 16 * lanes_per_k) {
+    const uint32_t* xs = a + k / lanes_per_k * 32;
+    const uint32_t* ws = w + (k - k0) / lanes_per_k * 32;
+    if constexpr (kWeightRows) {  // A: the weight's rows; B: x's k-lanes
+      _tile_loadd(4, ws, 64);
+      _tile_loadd(5, ws + 256, 64);
+      _tile_loadd(6, xs, 128);
+      if (!kHalf) _tile_loadd(7, xs + 16, 128);
+    } else {  // A: x's rows; B: the weight's k-lanes
+      _tile_loadd(4, xs, 64);
+      if (!kHalf) _tile_loadd(5, xs + 256, 64);
+      _tile_loadd(6, ws, 128);
+      _tile_loadd(7, ws + 16, 128);
+    }
+    // Sum tile 2i + j: A tile 4 + i against B tile 6 + j.
+    if constexpr (kBytes == 2) {
+      _tile_dpbf16ps(0, 4, 6);
+      if (!kHalf || !kWeightRows) _tile_dpbf16ps(1, 4, 7);
+      if (!kHalf || kWeightRows) _tile_dpbf16ps(2, 5, 6);
+      if (!kHalf) _tile_dpbf16ps(3, 5, 7);
+    } else {
+      _tile_dpbssd(0, 4, 6);
+      if (!kHalf || !kWeightRows) _tile_dpbssd(1, 4, 7);
+      if (!kHalf || kWeightRows) _tile_dpbssd(2, 5, 6);
+      if (!kHalf) _tile_dpbssd(3, 5, 7);
+    }
+  }
+  amx_store_sums<kHalf, kWeightRows>(out);
 }
 
 // c (32 x 32 sums of 4 bytes, [n][m] as the tiles leave them where the weight is A) into [m][n],
@@ -367,46 +419,14 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
           const uint32_t* w = panel.data();
           for (int64_t m0 = 0; m0 < mrows; m0 += 32) {
             float* acc = chunked ? sums.data() + ((b - b0) * padded + m0) * kAmxBlockN : nullptr;
-            if (first) {
-              _tile_zero(0);
-              _tile_zero(1);
-              _tile_zero(2);
-              _tile_zero(3);
-            } else {
-              amx_load_sums(acc);
-            }
-            // Per step of 64 bytes of k, 2 KB of x's block and 2 KB of the panel, each holding
-            // two tiles: rows (16 x 64 bytes, the second at +1 KB) or k-lanes (16 x 128 bytes, the
-            // second at +64 bytes).
             const uint32_t* a = xb.data() + (mc0 + m0) / 32 * (K / lanes_per_k) * 32;
-            for (int64_t k = k0; k < k1; k += 16 * lanes_per_k) {
-              const uint32_t* xs = a + k / lanes_per_k * 32;
-              const uint32_t* ws = w + (k - k0) / lanes_per_k * 32;
-              if constexpr (rows_panel) {  // A: the weight's rows; B: x's k-lanes
-                _tile_loadd(4, ws, 64);
-                _tile_loadd(5, ws + 256, 64);
-                _tile_loadd(6, xs, 128);
-                _tile_loadd(7, xs + 16, 128);
-              } else {  // A: x's rows; B: the weight's k-lanes
-                _tile_loadd(4, xs, 64);
-                _tile_loadd(5, xs + 256, 64);
-                _tile_loadd(6, ws, 128);
-                _tile_loadd(7, ws + 16, 128);
-              }
-              if constexpr (kBytes == 2) {
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-              } else {
-                _tile_dpbssd(0, 4, 6);
-                _tile_dpbssd(1, 4, 7);
-                _tile_dpbssd(2, 5, 6);
-                _tile_dpbssd(3, 5, 7);
-              }
-            }
-            amx_store_sums(last ? c : acc);
-            if (last) out(c, rows_panel, n0, mc0 + m0, std::min<int64_t>(32, mrows - m0));
+            const int64_t rows = std::min<int64_t>(32, mrows - m0);
+            float* dst = last ? c : acc;
+            if (rows <= 16)
+              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, first ? nullptr : acc, dst);
+            else
+              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, first ? nullptr : acc, dst);
+            if (last) out(c, rows_panel, n0, mc0 + m0, rows);
           }
         }
       }

@@ -103,5 +103,7 @@ torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Ten
                                int64_t gemv_max_rows, c10::optional<torch::Tensor> rows);
 torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                              int64_t gemv_max_rows);
+torch::Tensor int8dyn_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                                int64_t gemv_max_rows);
 torch::Tensor fp8_linear_io(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
                             c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);

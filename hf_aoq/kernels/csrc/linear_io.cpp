@@ -6,6 +6,9 @@
 // and torch.compile's graphs (as opaque ops) both come here. Row-count crossovers (gemv_max_rows)
 // are passed in from kernels/cpu.py, where each is defined; only the C++ compares rows with them.
 #include <torch/types.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "hf_aoq_cpu.h"
@@ -116,6 +119,41 @@ torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor sca
   const int64_t k = q.size(1);
   auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
   return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) { return int8_linear(x2, q, s, gemv_max_rows); });
+}
+
+// F.linear(x, int8 weight, bias) for dynamic per-token int8 activations in one call: each row of x
+// fake-quantized as the reference does (common.quantize_int8_per_token on x.float(), then codes x
+// scale rounded to x's dtype), then int8_linear. The same numbers as Int8Tensor's
+// simulate_input_quantization followed by int8_linear_io, without its half-dozen aten calls.
+torch::Tensor int8dyn_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                                int64_t gemv_max_rows) {
+  const int64_t k = q.size(1);
+  auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
+  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) {
+    torch::Tensor xq = torch::empty_like(x2);
+    const int64_t M = x2.size(0);
+    dispatch_float(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* r = x2.data_ptr<float>() + m * k;
+        float* o = xq.data_ptr<float>() + m * k;
+        float amax = 0.f;
+        bool nan = false;
+        for (int64_t i = 0; i < k; ++i) {
+          amax = std::max(amax, std::fabs(r[i]));
+          nan |= std::isnan(r[i]);
+        }
+        const float sc = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(amax / 127.f, 1e-12f);
+        for (int64_t i = 0; i < k; ++i) {
+          const float c = std::min(std::max(std::nearbyint(r[i] / sc), -127.f), 127.f);
+          // The reference's codes are int8: a NaN code (a NaN row's) becomes some integer there,
+          // and times the NaN scale a NaN either way.
+          o[i] = to_float(static_cast<T>((std::isnan(c) ? 0.f : c) * sc));
+        }
+      }
+    });
+    return int8_linear(xq, q, s, gemv_max_rows);
+  });
 }
 
 // F.linear(x, float8 weight, bias) in one call: the GEMV at up to gemv_max_rows rows, else chunks
