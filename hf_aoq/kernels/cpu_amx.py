@@ -1,6 +1,8 @@
 """Many-row CPU linears on AMX tiles for bf16 activations: hf_aoq's own tile GEMM
 (csrc/amx_gemm.h) dequantizes each block of 32 output columns into a small bf16 panel and
 multiplies from it, so the weight is read once in its own bytes and no whole bf16 copy is made.
+Int8 weights with dynamic int8 activations multiply on the int8 tiles instead (cpu_int8dyn_amx,
+below: exact integer products, any float activations).
 
 The weight's bf16 values are the reference's `dequantize(bfloat16)`, bit for bit (a float32 value
 below 2^-126 becomes zero, which the tile multiply reads as zero anyway); the products are

@@ -11,6 +11,10 @@
 // on a 2-vCPU Xeon). Here the weight is read once in its own bytes, and the tile loop itself ran
 // at ~1.2 TFLOP/s per core against oneDNN's ~0.8-0.9 on that machine (5632x2048, 256 rows).
 //
+// The same loop multiplies int8 by int8 (AMX-INT8, exact int32 sums; amx_linear_tiles<1>) for int8
+// weights with dynamic int8 activations (int8.cpp), the weight's rows copied into the panel as
+// they are and each block of sums scaled by the caller's writer.
+//
 // Tiles (AMX-BF16): a multiply takes A = 16 rows x 32 k (bf16, row-major) and B = 16 k-pairs x
 // 16 columns (each 32-bit lane a pair of bf16 of consecutive k) into C = 16 x 16 float32. Each step
 // of 32 k loads two A and two B tiles and runs four multiplies (a 32 x 32 output block). The
@@ -33,7 +37,7 @@
 //
 // Built in the avx512 binary only (HF_AOQ_AMX), the tile code under a target pragma, and run
 // only where the CPU has AMX and Linux grants this process the tile state (amx_usable(); Python
-// checks cpu_isa as well). Internal linkage, as in every header here.
+// checks cpu_isa as well: AMX-INT8 for the int8 loop). Internal linkage, as in every header here.
 #pragma once
 #include <torch/types.h>
 #include <ATen/Parallel.h>
