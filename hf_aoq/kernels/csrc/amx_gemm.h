@@ -43,6 +43,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -230,6 +231,18 @@ struct Int8RowsPanel {
   }
 };
 
+// A growable buffer whose data starts on a 64-byte line. Tile loads of 64-byte rows from memory
+// that std::vector left 16 bytes off a line (malloc's alignment; where it lands varied from
+// process to process) touch two lines a row: the same call took 1.5-1.7x as long in such runs.
+template <typename T>
+struct AmxBuffer {
+  std::vector<T> raw;
+  T* resize(size_t n) {
+    raw.resize(n + 64 / sizeof(T));
+    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+  }
+};
+
 // The k of each chunk: all of K when rows x K x bytes fits kAmxChunkBytes, else K split into as
 // few chunks as keep each near that size, of even length in multiples of `align` (a multiple of
 // the tile step, and of the format's group; the last chunk may be shorter).
@@ -395,35 +408,37 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
   constexpr bool rows_panel = Panel::kWeightRows;
   constexpr int64_t lanes_per_k = 4 / kBytes;  // k per 4-byte lane; a step is 16 lanes, 64 bytes
   // x once per call, blocked for the tiles (M x K x kBytes, small beside the weight at prefill).
-  std::vector<uint32_t> xb((M + 31) / 32 * 32 * K / lanes_per_k);
+  AmxBuffer<uint32_t> xbuf;
+  uint32_t* const xb = xbuf.resize((M + 31) / 32 * 32 * K / lanes_per_k);
   if (rows_panel)
-    amx_pack_lanes(x, ldx, M, K * kBytes, xb.data());
+    amx_pack_lanes(x, ldx, M, K * kBytes, xb);
   else
-    amx_pack_rows(x, ldx, M, K * kBytes, reinterpret_cast<uint8_t*>(xb.data()));
+    amx_pack_rows(x, ldx, M, K * kBytes, reinterpret_cast<uint8_t*>(xb));
   const int64_t blocks = N / kAmxBlockN;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     amx_configure();
     const int64_t mine = b1 - b0;
-    std::vector<uint32_t> panel;
-    std::vector<float> sums;  // [block][32-row block][32 x 32] across chunks of k
+    AmxBuffer<uint32_t> panel_buf;
+    AmxBuffer<float> sums_buf;  // [block][32-row block][32 x 32] across chunks of k
+    float* sums = nullptr;
     alignas(64) float c[32 * 32];
     for (int64_t mc0 = 0; mc0 < M; mc0 += kAmxMaxRows) {
       const int64_t mrows = std::min(kAmxMaxRows, M - mc0);
       const int64_t padded = (mrows + 31) / 32 * 32;
       const int64_t kc = amx_chunk_k(mrows, K, kBytes, align);
       const bool chunked = kc < K;
-      panel.resize(kc / lanes_per_k * kAmxBlockN);
-      if (chunked) sums.resize(mine * padded * kAmxBlockN);
+      uint32_t* const panel = panel_buf.resize(kc / lanes_per_k * kAmxBlockN);
+      if (chunked) sums = sums_buf.resize(mine * padded * kAmxBlockN);
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t k1 = std::min(K, k0 + kc);
         const bool first = k0 == 0, last = k1 == K;
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n0 = b * kAmxBlockN;
-          write_panel(n0, k0, k1, reinterpret_cast<typename Panel::Elem*>(panel.data()));
-          const uint32_t* w = panel.data();
+          write_panel(n0, k0, k1, reinterpret_cast<typename Panel::Elem*>(panel));
+          const uint32_t* w = panel;
           for (int64_t m0 = 0; m0 < mrows; m0 += 32) {
-            float* acc = chunked ? sums.data() + ((b - b0) * padded + m0) * kAmxBlockN : nullptr;
-            const uint32_t* a = xb.data() + (mc0 + m0) / 32 * (K / lanes_per_k) * 32;
+            float* acc = chunked ? sums + ((b - b0) * padded + m0) * kAmxBlockN : nullptr;
+            const uint32_t* a = xb + (mc0 + m0) / 32 * (K / lanes_per_k) * 32;
             const int64_t rows = std::min<int64_t>(32, mrows - m0);
             float* dst = last ? c : acc;
             if (rows <= 16)
