@@ -38,6 +38,8 @@ __all__ = [
     "Int8DynamicActivationIntxWeightConfig",
     "Int8Tensor",
     "Int8WeightOnlyConfig",
+    "IntxDQTensor",
+    "IntxDQWeightOnlyConfig",
     "IntxTensor",
     "IntxWeightOnlyConfig",
     "MXDynamicActivationMXWeightConfig",

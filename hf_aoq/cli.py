@@ -57,6 +57,9 @@ SCHEMES = {
     "int3-asym": "int3, asymmetric: 4.0 bits/weight at g32, 3.5 at g64, 3.25 at g128",
     "int5-asym": "int5, asymmetric: 6.0 bits/weight at g32",
     "int6-asym": "int6, asymmetric: 7.0 bits/weight at g32",
+    "int3-dq": "3-bit weights in groups of 32 (or 64) whose scales and centres are 4-bit indices, as int4's "
+               "(IntxDQ): 3.3 bits/weight at g32; for mixed precision (--bits), runs on the reference kernel",
+    "int2-dq": "2-bit weights, int3-dq's groups: 2.3 bits/weight at g32",
 }
 _SCHEME_HELP = "\n".join(textwrap.fill(text, 96, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
                          for name, text in SCHEMES.items())

@@ -17,7 +17,8 @@ dequantized value). The types here:
   - Int4DQWeightOnlyConfig (Int4DQTensor): the per-tensor floats and each row's grid of group
     scales and centres are fixed first, from the weight as it is (as Int4DQTensor.from_float
     chooses them); each group then takes its 4-bit scale and centre indices on that grid by the
-    type's own search (kernels.search.int4dq_search), on the updated weights.
+    type's own search (kernels.search.int4dq_search), on the updated weights;
+  - IntxDQWeightOnlyConfig (IntxDQTensor): the same, with 2- or 3-bit codes.
 `gptq_quantize(weight, gram, config)` picks the quantizer from the config (GPTQ_CONFIGS).
 """
 from __future__ import annotations
@@ -27,19 +28,20 @@ from typing import Callable
 
 import torch
 
-from .configs import Int4DQWeightOnlyConfig, Int4WeightOnlyConfig, IntxWeightOnlyConfig
+from .configs import Int4DQWeightOnlyConfig, Int4WeightOnlyConfig, IntxDQWeightOnlyConfig, IntxWeightOnlyConfig
 from .configs.intx import INT_DTYPES, _intx_group
 from .core.errors import AOQError
 from .core.primitives import by_row_chunks, choose_qparams_affine, midpoint, pack_int4
 from .core.tensor import AOQTensor
-from .kernels.search import int4dq_search
-from .tensors import int4dq
+from .kernels.search import group_codes, int4dq_search
+from .tensors import int4dq, intxdq
 from .tensors.common import check_built
 from .tensors.int4 import QMAX, QMIN, Int4Tensor
 from .tensors.int4dq import Int4DQTensor
+from .tensors.intxdq import IntxDQTensor
 from .tensors.intx import IntxTensor, pack_intx
 
-GPTQ_CONFIGS = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int4DQWeightOnlyConfig)
+GPTQ_CONFIGS = (Int4WeightOnlyConfig, IntxWeightOnlyConfig, Int4DQWeightOnlyConfig, IntxDQWeightOnlyConfig)
 
 # A group quantizer: (the group's columns [N, w] after the feedback so far, its first column)
 # -> a function rounding one column [N] of that group to (codes, dequantized), both float32 [N].
@@ -119,7 +121,9 @@ def gptq_quantize(weight: torch.Tensor, gram: torch.Tensor, config, *, damping: 
                                 pack_intx(codes, bits), scale, bits, block, tuple(weight.shape), weight.dtype, zero=zero),
                             damping, act_order, name)
     if isinstance(config, Int4DQWeightOnlyConfig):
-        return _gptq_int4dq(weight, gram, config.group_size, damping, act_order, name)
+        return _gptq_grid(weight, gram, config.group_size, 4, damping, act_order, name)
+    if isinstance(config, IntxDQWeightOnlyConfig):
+        return _gptq_grid(weight, gram, config.group_size, config.bits, damping, act_order, name)
     names = ", ".join(c.__name__ for c in GPTQ_CONFIGS)
     raise AOQError(f"{name}: GPTQ calibrates {names}; got {type(config).__name__}")
 
@@ -153,16 +157,19 @@ def _gptq_affine(weight, gram, group_size, qmin, qmax, symmetric, qparams, build
     return check_built(build(codes, torch.cat(scales, dim=1), zero, (1, group_size)), weight, name)
 
 
-def _gptq_int4dq(weight, gram, g, damping, act_order, name):
-    """Int4DQTensor: the row grids from the weight as it is, each group's indices on them by the
-    type's search on the updated weights, w = (q - 7.5) * d + c."""
+def _gptq_grid(weight, gram, g, bits, damping, act_order, name):
+    """Int4DQTensor (bits 4) and IntxDQTensor (2, 3): the row grids from the weight as it is,
+    each group's indices on them by the types' search on the updated weights,
+    w = (q - L / 2) * d + c with L = 2^bits - 1."""
     _check_weight(weight, name)
-    if g not in int4dq.GROUP_SIZES or weight.shape[1] % 2:
+    top = (1 << bits) - 1
+    if bits == 4 and (g not in int4dq.GROUP_SIZES or weight.shape[1] % 2):
         Int4DQTensor.from_float(weight, g, name=name)  # its own error for a bad group size or shape
-    n, k = weight.shape
-    d0, c0 = by_row_chunks(weight, lambda w: int4dq._group_minmax(w, g))
-    tparams = torch.stack([d0.max(), c0.abs().max()]).to(torch.float32)
-    tparams = torch.where(tparams > 0, tparams, torch.ones_like(tparams))
+    if bits != 4 and (g not in int4dq.GROUP_SIZES or bits not in intxdq.BITS):
+        IntxDQTensor.from_float(weight, bits, g, name=name)
+    ranges = int4dq._group_minmax if bits == 4 else intxdq.group_ranges
+    d0, c0 = by_row_chunks(weight, lambda w: ranges(w, g, top))
+    tparams = int4dq.tensor_params(d0, c0)
     rparams = int4dq._encode_row_params(d0.amin(1), d0.amax(1), c0.amin(1), c0.amax(1), tparams)
     dlo, dstep, clo, cstep = (t[:, None] for t in int4dq.decode_row_params(rparams, tparams).unbind(1))
     gparams = []
@@ -172,24 +179,24 @@ def _gptq_int4dq(weight, gram, g, damping, act_order, name):
         return torch.where(step > 0, torch.round((value - lo) / safe), torch.zeros_like(value)).clamp(0, 15)
 
     def quantize_group(block, start):
-        bd, bc = int4dq._group_minmax(block, g)
+        bd, bc = ranges(block, g, top)
         x, mask = int4dq._padded_groups(block, g)
         a, b, _ = int4dq_search(x, mask, nearest_index(bd, dlo, dstep), nearest_index(bc, clo, cstep),
-                                dlo, dstep, clo, cstep, block.shape[1])
+                                dlo, dstep, clo, cstep, block.shape[1], levels=top)
         gparams.append(a.to(torch.uint8) | (b.to(torch.uint8) << 4))
         d = (dlo + a.float() * dstep)[:, 0]
         c = (clo + b.float() * cstep)[:, 0]
-        positive = d > 0
-        safe = torch.where(positive, d, torch.ones_like(d))
 
         def round_column(col):
-            q = torch.where(positive, torch.round((col - c) / safe + 7.5), torch.full_like(col, 8.0)).clamp_(0, 15)
-            return q, (q - 7.5) * d + c
+            q = group_codes(col, d, c, top)
+            return q, (q - top / 2) * d + c
         return round_column
 
     codes = gptq_sweep(weight, gram, g, quantize_group, damping=damping, act_order=act_order, name=name)
-    out = Int4DQTensor(pack_int4(codes), torch.cat(gparams, dim=1), rparams, tparams, (1, g), tuple(weight.shape),
-                       weight.dtype)
+    gparams = torch.cat(gparams, dim=1)
+    if bits != 4:
+        return intxdq.from_codes(codes, gparams, rparams, tparams, bits, g, weight, name)
+    out = Int4DQTensor(pack_int4(codes), gparams, rparams, tparams, (1, g), tuple(weight.shape), weight.dtype)
     return check_built(out, weight, name)
 
 

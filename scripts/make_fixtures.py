@@ -23,6 +23,8 @@ new capability of a type, adds a generation to `GENERATIONS` below.
     manifest.fp8_sparse.json      Float8SemiSparseTensor (new type: 2:4 sparse float8), schema version 1
     manifest.awq_input_scale.json Int4Tensor and Int4DQTensor with the optional input_scale
                                   (AWQ scales that could not fold), schema version 1
+    manifest.intxdq.json          IntxDQTensor (new type: 2- and 3-bit codes on Int4DQ's group
+                                  grid; 2-D and 3-D experts), schema version 1
 
 For each fixture file F.safetensors it writes
   F.safetensors            an hf_aoq checkpoint (quantized tensors and a few plain ones)
@@ -55,7 +57,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hf_aoq  # noqa: E402
-from hf_aoq import (FPxTensor, Float8SemiSparseTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxTensor, MXTensor, NVFP4Tensor,  # noqa: E402
+from hf_aoq import (FPxTensor, Float8SemiSparseTensor, Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxDQTensor, IntxTensor, MXTensor, NVFP4Tensor,  # noqa: E402
                     PerRow, PerTensor)
 from hf_aoq import serialization  # noqa: E402
 from hf_aoq.core import registry  # noqa: E402
@@ -357,6 +359,23 @@ def state_dicts_awq_input_scale() -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+def state_dicts_intxdq() -> dict[str, dict[str, torch.Tensor]]:
+    return {
+        "v1_intxdq": {
+            "int3_g32_k576_bf16": IntxDQTensor.from_float(weight(70, 16, 576, BF16), 3, 32),
+            # Partial last groups (80 = 2 x 32 + 16; 96 = 64 + 32) and an odd K (45 x 3 bits).
+            "int3_g32_k80_f32": IntxDQTensor.from_float(weight(71, 32, 80, F32), 3, 32),
+            "int2_g64_k96_f16": IntxDQTensor.from_float(weight(72, 8, 96, F16), 2, 64),
+            "int3_g32_k45_f32": IntxDQTensor.from_float(weight(73, 8, 45, F32), 3, 32),
+            # An all-zero row and a constant one: the codes for zero.
+            "int2_g32_k64_special_bf16": IntxDQTensor.from_float(
+                torch.cat([torch.zeros(1, 64), torch.full((1, 64), 0.5), weight(74, 14, 64, F32)]).to(BF16), 2, 32),
+            # Fused experts [E, N, K]: T_d and T_c per expert.
+            "experts_int3_g32_bf16": IntxDQTensor.from_float(experts_weight(75, 3, 8, 64, BF16), 3, 32),
+        },
+    }
+
+
 GENERATIONS = {
     "manifest.json": state_dicts_v1,
     "manifest.partial_groups.json": state_dicts_partial_groups,
@@ -371,6 +390,7 @@ GENERATIONS = {
     "manifest.fpx3d.json": state_dicts_fpx3d,
     "manifest.fp8_sparse.json": state_dicts_fp8_sparse,
     "manifest.awq_input_scale.json": state_dicts_awq_input_scale,
+    "manifest.intxdq.json": state_dicts_intxdq,
 }
 
 

@@ -6,7 +6,7 @@ from .recipe import (AOQBaseConfig, FqnToConfig, OPTIONAL, recipe_from_dict, rec
 from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyConfig,
                       Int4DynamicActivationInt4WeightConfig, Int4WeightOnlyConfig,
                       Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig,
-                      Int8WeightOnlyConfig)
+                      Int8WeightOnlyConfig, IntxDQWeightOnlyConfig)
 from .float8 import (Float8DynamicActivationFloat8SemiSparseWeightConfig, Float8DynamicActivationFloat8WeightConfig,
                      Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig)
 from .microscaling import (MXDynamicActivationMXWeightConfig, MXFPInferenceConfig, NVFP4InferenceConfig,
@@ -25,7 +25,7 @@ __all__ = [
     'Int8DynamicActivationInt4WeightConfig', 'Int4DynamicActivationInt4WeightConfig',
     'Float8DynamicActivationInt4WeightConfig', 'MXFPInferenceConfig',
     'MXDynamicActivationMXWeightConfig', 'NVFP4InferenceConfig', 'NVFP4WeightOnlyConfig', 'FPXWeightOnlyConfig', 'INT_DTYPES', 'INT_DTYPES_BY_BITS', 'UINT_DTYPES',
-    'MAPPING_TYPES', 'IntxWeightOnlyConfig', 'Int8DynamicActivationIntxWeightConfig',
+    'MAPPING_TYPES', 'IntxWeightOnlyConfig', 'IntxDQWeightOnlyConfig', 'Int8DynamicActivationIntxWeightConfig',
     'UIntXWeightOnlyConfig', 'GemliteUIntXWeightOnlyConfig', 'FqnToConfig', 'recipe_to_dict',
     'recipe_from_dict', 'SCHEMES', 'INTX_SCHEME_BITS', 'INTX_DEFAULT_GROUP', 'config_for_scheme'
 ]

@@ -1,5 +1,5 @@
-"""Configs of the 4- and 8-bit integer tensor types: Int4, Int4DQ and Int8 weights, with or without
-activations quantized at run time."""
+"""Configs of the integer tensor types with their own formats: Int4, Int4DQ, IntxDQ (2- and 3-bit
+codes on Int4DQ's group grid) and Int8 weights, with or without activations quantized at run time."""
 from __future__ import annotations
 
 import typing
@@ -10,8 +10,8 @@ import torch
 from ..core.errors import AOQError
 from ..core.primitives import QPARAM_METHODS
 from ..core.registry import register_config_type
-from ..tensors import Int4DQTensor, Int4Tensor, Int8Tensor
-from ..tensors import int4dq
+from ..tensors import Int4DQTensor, Int4Tensor, Int8Tensor, IntxDQTensor
+from ..tensors import int4dq, intxdq
 from ..tensors.int4 import DEFAULT_QPARAMS, GROUP_SIZES
 from .recipe import OPTIONAL, AOQBaseConfig
 from .float8 import _check_float8
@@ -56,6 +56,29 @@ class Int4DQWeightOnlyConfig(AOQBaseConfig):
 
     def quantize_weight(self, weight, *, name="weight"):
         return Int4DQTensor.from_float(weight, self.group_size, name=name)
+
+
+@register_config_type
+@dataclass(frozen=True)
+class IntxDQWeightOnlyConfig(AOQBaseConfig):
+    """`bits`-bit weights (2 or 3) in groups of `group_size` (32 or 64) whose scale and centre are
+    Int4DQ's 4-bit indices into a per-row grid (IntxDQTensor): bits + 8/g + 32/K bits per weight,
+    3.25 + 32/K at 3 bits in groups of 32. hf_aoq's own format (torchao has no such config); the
+    sub-4-bit candidate for mixed precision."""
+
+    bits: int = 3
+    group_size: int = 32
+
+    def __post_init__(self):
+        if type(self.bits) is not int or self.bits not in intxdq.BITS:
+            raise AOQError(f"IntxDQWeightOnlyConfig.bits must be one of {intxdq.BITS}, got {self.bits!r}")
+        if self.group_size not in int4dq.GROUP_SIZES:
+            raise AOQError(
+                f"IntxDQWeightOnlyConfig.group_size must be one of {int4dq.GROUP_SIZES}, got {self.group_size!r}"
+            )
+
+    def quantize_weight(self, weight, *, name="weight"):
+        return IntxDQTensor.from_float(weight, self.bits, self.group_size, name=name)
 
 
 @register_config_type

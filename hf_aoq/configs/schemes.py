@@ -13,7 +13,7 @@ from .float8 import (Float8DynamicActivationFloat8SemiSparseWeightConfig, Float8
                      Float8StaticActivationFloat8WeightConfig, Float8WeightOnlyConfig)
 from .integer import (Float8DynamicActivationInt4WeightConfig, Int4DQWeightOnlyConfig, Int4DynamicActivationInt4WeightConfig,
                       Int4WeightOnlyConfig, Int8DynamicActivationInt4WeightConfig, Int8DynamicActivationInt8WeightConfig,
-                      Int8WeightOnlyConfig)
+                      Int8WeightOnlyConfig, IntxDQWeightOnlyConfig)
 from .intx import INT_DTYPES_BY_BITS, Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
 from .microscaling import MXFPInferenceConfig, NVFP4InferenceConfig, NVFP4WeightOnlyConfig
 from .fpx import FPXWeightOnlyConfig
@@ -24,11 +24,13 @@ from .fpx import FPXWeightOnlyConfig
 SCHEMES = ("int4", "int4-plain", "int8", "int8-dyn", "fp8", "fp8-dyn", "mxfp8", "mxfp4",
            "int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
            "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "nvfp4", "nvfp4-wo", "fp6", "fp8-sparse",
-           "int2-asym", "int3-asym", "int5-asym", "int6-asym")
+           "int2-asym", "int3-asym", "int5-asym", "int6-asym", "int3-dq", "int2-dq")
 INTX_SCHEME_BITS = {"int2": 2, "int3": 3, "int5": 5, "int6": 6}
 # "intN-asym": the same IntxTensor with a zero per group as well as a scale (N + 32/g bits with bf16 parameters).
 _ASYM = "-asym"
 INTX_DEFAULT_GROUP = 32
+# "intN-dq": IntxDQTensor, N-bit codes with Int4DQ's 4-bit group parameters (N + 8/g + 32/K bits).
+DQ_SCHEME_BITS = {"int3-dq": 3, "int2-dq": 2}
 # The activation-quantized int4 schemes: their configs take `group_size` as Int4WeightOnlyConfig does.
 _INT4_ACT_SCHEMES = {
     "int8-int4": Int8DynamicActivationInt4WeightConfig,
@@ -50,7 +52,9 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
     int2, int3, int5 and int6 are IntxWeightOnlyConfig, symmetric, in groups of 32 (or 16, 64,
     128, 256); int8-int2 .. int8-int6 are Int8DynamicActivationIntxWeightConfig with the same
     weights and int8 per-token activations; int2-asym .. int6-asym are the same IntxWeightOnlyConfig
-    with mapping_type "asymmetric" (a scale and a zero per group).
+    with mapping_type "asymmetric" (a scale and a zero per group); int3-dq and int2-dq are
+    IntxDQWeightOnlyConfig: 3- or 2-bit codes in groups of 32 (or 64) with Int4DQ's 4-bit group
+    parameters (3.25 + 32/K bits per weight at 3 bits).
     int8-int4, fp8-int4 and int4-int4 are int4 weights (groups of 32, 128 and 128 by default) with
     int8, float8 (e4m3) or int4 activations quantized per token at run time; fp8-static is
     Float8StaticActivationFloat8WeightConfig, whose activation scales calibration chooses; fp6
@@ -71,6 +75,9 @@ def config_for_scheme(scheme: str, group_size: int | None = None) -> AOQBaseConf
                                     mapping_type="asymmetric" if asym else "symmetric")
     if scheme == "int4":
         return Int4DQWeightOnlyConfig() if group_size is None else Int4DQWeightOnlyConfig(group_size=group_size)
+    if scheme in DQ_SCHEME_BITS:
+        bits = DQ_SCHEME_BITS[scheme]
+        return IntxDQWeightOnlyConfig(bits=bits) if group_size is None else IntxDQWeightOnlyConfig(bits, group_size)
     if scheme == "int4-plain":
         return Int4WeightOnlyConfig() if group_size is None else Int4WeightOnlyConfig(group_size=group_size)
     if scheme == "int8":

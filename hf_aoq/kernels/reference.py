@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from .registry import ANY, CANONICAL, register_kernel
 
-TYPES = ("Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "Float8Tensor", "MXTensor", "NVFP4Tensor", "FPxTensor",
+TYPES = ("Int4Tensor", "Int4DQTensor", "Int8Tensor", "IntxTensor", "IntxDQTensor", "Float8Tensor", "MXTensor", "NVFP4Tensor", "FPxTensor",
          "Float8SemiSparseTensor")
 
 

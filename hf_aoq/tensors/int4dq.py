@@ -71,13 +71,12 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         if weight.shape[1] % 2 or weight.numel() == 0:
             raise AOQError(f"{name}: int4 needs an even, non-empty input dimension, got shape {tuple(weight.shape)}")
         d0, c0 = by_row_chunks(weight, lambda w: _group_minmax(w, group_size))
-        tparams = torch.stack([d0.max(), c0.abs().max()]).to(torch.float32)
-        tparams = torch.where(tparams > 0, tparams, torch.ones_like(tparams))  # all zero: any T works
+        tparams = tensor_params(d0, c0)
         # Rows are independent once T_d and T_c are fixed: quantized in chunks of rows.
-        qdata, gparams, rparams = by_row_chunks(
+        codes, gparams, rparams = by_row_chunks(
             weight, lambda w, d, c: _quantize_rows(w, group_size, tparams, d, c), d0, c0
         )
-        return check_built(cls(qdata, gparams, rparams, tparams, (1, group_size), weight.shape, weight.dtype), weight, name)
+        return check_built(cls(pack_int4(codes), gparams, rparams, tparams, (1, group_size), weight.shape, weight.dtype), weight, name)
 
     @classmethod
     def check_fields(cls, fields) -> None:
@@ -192,6 +191,13 @@ def _cmag(m: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(t_c * LUT.to(m.device)[2 * (m % 16)], -(m // 16).float())
 
 
+def tensor_params(d0: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+    """float32 [2]: (T_d, T_c), the largest group scale and centre magnitude (1 where that is
+    0: an all-zero weight, for which any T works)."""
+    tparams = torch.stack([d0.max(), c0.abs().max()]).to(torch.float32)
+    return torch.where(tparams > 0, tparams, torch.ones_like(tparams))
+
+
 def decode_row_params(rparams: torch.Tensor, tparams: torch.Tensor) -> torch.Tensor:
     """float32 [N, 4]: each row's (dlo, dstep, clo, cstep), as the format defines them."""
     k = rparams.to(torch.int64)
@@ -224,11 +230,12 @@ def _padded_groups(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor 
     return x.reshape(n, groups, g), mask.reshape(groups, g)
 
 
-def _group_minmax(w: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's min/max scale (range / 15) and centre ((max + min) / 2), float32 [N, G]."""
+def _group_minmax(w: torch.Tensor, g: int, levels: int = 15) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's min/max scale (range / levels: 15 for 4-bit codes) and centre
+    ((max + min) / 2), float32 [N, G]."""
     x, _ = _padded_groups(w, g)
     lo, hi = x.amin(-1), x.amax(-1)
-    return (hi - lo) / 15, (hi + lo) / 2
+    return (hi - lo) / levels, (hi + lo) / 2
 
 
 def _nearest_code(x: torch.Tensor, t: torch.Tensor, steps: int, kmax: int, decode) -> torch.Tensor:
@@ -272,8 +279,9 @@ def _encode_row_params(dlo, dhi, clo, chi, tparams) -> torch.Tensor:
     return torch.stack([dcode(dlo), dcode(dhi), ccode(clo), ccode(chi)], dim=1).to(torch.uint8)
 
 
-def _quantize_rows(w, g, tparams, d0, c0):
-    """(qdata, gparams, rparams) of the rows `w` given their groups' min/max scale and centre."""
+def _quantize_rows(w, g, tparams, d0, c0, levels: int = 15):
+    """(codes uint8 [N, K] in [0, levels], gparams, rparams) of the rows `w` given their groups'
+    min/max scale and centre; codes of `levels` + 1 values (15: Int4DQ's 4-bit ones)."""
     n, k = w.shape
     rparams = _encode_row_params(d0.amin(1), d0.amax(1), c0.amin(1), c0.amax(1), tparams)
     dlo, dstep, clo, cstep = decode_row_params(rparams, tparams).unbind(1)
@@ -285,8 +293,8 @@ def _quantize_rows(w, g, tparams, d0, c0):
 
     a0, b0 = nearest_index(d0, dlo, dstep), nearest_index(c0, clo, cstep)
     x, mask = _padded_groups(w, g)
-    a, b, q = int4dq_search(x, mask, a0, b0, dlo, dstep, clo, cstep, k)
+    a, b, q = int4dq_search(x, mask, a0, b0, dlo, dstep, clo, cstep, k, levels=levels)
     codes = q.reshape(n, -1)[:, :k].to(torch.uint8)
     gparams = (a.to(torch.uint8) | (b.to(torch.uint8) << 4))
-    return pack_int4(codes), gparams, rparams
+    return codes, gparams, rparams
 

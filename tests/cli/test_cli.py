@@ -99,6 +99,8 @@ def test_each_scheme_name_builds_its_config(scheme, tmp_path):
         "fp8-sparse": hf_aoq.Float8DynamicActivationFloat8SemiSparseWeightConfig(activation_dtype=torch.float8_e4m3fn),
         **{f"int{b}-asym": hf_aoq.IntxWeightOnlyConfig(getattr(torch, f"int{b}"), hf_aoq.PerGroup(32), "asymmetric")
            for b in (2, 3, 5, 6)},
+        "int3-dq": hf_aoq.IntxDQWeightOnlyConfig(3, 32),
+        "int2-dq": hf_aoq.IntxDQWeightOnlyConfig(2, 32),
     }[scheme]
     assert cfg == expected
     if scheme == "fp8-static":  # its scales come from calibration text, which it needs

@@ -65,7 +65,7 @@ def test_gptq_on_int4dq_keeps_its_row_grid_and_lowers_the_output_error(g):
 def test_gptq_names_what_it_cannot_calibrate():
     w = torch.randn(16, 64)
     with pytest.raises(AOQError, match="layer.weight: GPTQ calibrates Int4WeightOnlyConfig, IntxWeightOnlyConfig, "
-                                       "Int4DQWeightOnlyConfig; got Int8WeightOnlyConfig"):
+                                       "Int4DQWeightOnlyConfig, IntxDQWeightOnlyConfig; got Int8WeightOnlyConfig"):
         gptq_quantize(w, torch.eye(64), Int8WeightOnlyConfig(), name="layer.weight")
     with pytest.raises(AOQError, match="Gram matrix of shape"):
         gptq_quantize(w, torch.eye(32), IntxWeightOnlyConfig(torch.int3, PerGroup(32)))

@@ -57,14 +57,14 @@ def test_fixtures_are_never_regenerated():
     """If this fails, a fixture was rewritten: restore it from version control. New formats and
     schemas get new fixtures next to these; see docs/format.md."""
     assert sorted(MANIFESTS) == ["manifest.act_variants.json", "manifest.awq_input_scale.json", "manifest.fp8_sparse.json", "manifest.fpx.json", "manifest.fpx3d.json", "manifest.int4dq.json", "manifest.intx.json",
-                                 "manifest.intx_asym_act.json", "manifest.json", "manifest.mx.json",
+                                 "manifest.intx_asym_act.json", "manifest.intxdq.json", "manifest.json", "manifest.mx.json",
                                  "manifest.mx3d.json", "manifest.nvfp4.json", "manifest.partial_groups.json"]
     for file, info in MANIFEST["files"].items():
         for name, digest in ((file, info["sha256"]), (info["expected"], info["expected_sha256"])):
             assert hashlib.sha256((FIXTURES / name).read_bytes()).hexdigest() == digest, name
     assert all(m["format_version"] == 1 for m in MANIFESTS.values())
     # The fixtures stay small (they are cloned with every checkout): 1 MB for every generation so far
-    # (12 tensor-type generations, ~620 kB after MX 3-D, NVFP4, FPx and 2:4 sparse float8 came in).
+    # (14 generations, ~700 kB after MX 3-D, NVFP4, FPx, 2:4 sparse float8 and IntxDQ came in).
     total = sum(p.stat().st_size for p in FIXTURES.iterdir())
     assert total < 1_000_000
 
