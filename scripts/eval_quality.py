@@ -137,6 +137,12 @@ def hf_aoq_options(calibration):
             m, c, calibration, filter_fn=not_lm_head, act_order=False)
         yield f"hf_aoq {label} + calibration (GPTQ, act order)", lambda m, c=cfg: quantize_with_calibration(
             m, c, calibration, filter_fn=not_lm_head, act_order=True)
+    # IntxDQ (3- and 2-bit codes on Int4DQ's 4-bit group grid), rounded and with act-order GPTQ.
+    DQ = hf_aoq.IntxDQWeightOnlyConfig
+    for b, g in ((3, 32), (3, 64), (2, 32)):
+        yield f"hf_aoq intxdq int{b}-dq g{g}", lambda m, b=b, g=g: hf_aoq.quantize_(m, DQ(b, g), not_lm_head)
+        yield f"hf_aoq intxdq int{b}-dq g{g} + calibration (GPTQ, act order)", lambda m, b=b, g=g: (
+            quantize_with_calibration(m, DQ(b, g), calibration, filter_fn=not_lm_head, act_order=True))
     # Activation-aware scales (hf_aoq.awq), folded into the blocks: the same tensors and sizes.
     for label, cfg in (("int4 g128 mse", I4(128)), ("int4dq g32", hf_aoq.Int4DQWeightOnlyConfig(32))):
         yield f"hf_aoq {label} + calibration (AWQ)", lambda m, c=cfg: quantize_with_calibration(
@@ -186,6 +192,9 @@ MIXED_GPTQ_ACT_CANDIDATES = [c.replace("+gptq", "+gptq-act") if c in _ACT else c
 # above float where the report predicts 0.17, perplexity 38.53 where it predicts 36.80).
 MIXED_LONG_CANDIDATES = ["int4", "int4+gptq-act", "int4-plain:g32", "int3-asym:g64+gptq-act", "int3-asym:g128+gptq-act",
                          "int3-asym:g256+gptq-act", "int2-asym:g32+gptq-act"]
+# The same with IntxDQ's sub-4-bit candidates (3-bit codes at 3.3 bits in groups of 32, 3.2 in
+# groups of 64, 2-bit at 2.3), the act-order GPTQ of each.
+MIXED_DQ_CANDIDATES = MIXED_LONG_CANDIDATES + ["int3-dq+gptq-act", "int3-dq:g64+gptq-act", "int2-dq+gptq-act"]
 _REPORTS: dict[tuple[str, ...], object] = {}
 
 
@@ -235,6 +244,10 @@ def mixed_options(calibration, report_paths=(), save_path=None, long_calibration
         yield (f"hf_aoq mixed precision <= 3.5 bits, refined once, GPTQ on {GPTQ_LONG_TOKENS} tokens, long "
                f"({','.join(MIXED_LONG_CANDIDATES)})",
                lambda m: apply(m, 3.5, MIXED_LONG_CANDIDATES, "gptq-act-long", long_batches, refine=1))
+        for bits in MIXED_GPTQ_BUDGETS:
+            yield (f"hf_aoq mixed precision <= {bits} bits, with IntxDQ, GPTQ on {GPTQ_LONG_TOKENS} tokens, dq "
+                   f"({','.join(MIXED_DQ_CANDIDATES)})",
+                   lambda m, b=bits: apply(m, b, MIXED_DQ_CANDIDATES, "dq", long_batches))
 
 
 def peer_options():
@@ -261,7 +274,8 @@ def main() -> None:
                              "(their time is then not in quantize (s))")
     parser.add_argument("--save-sensitivity", metavar="REPORT.json",
                         help="mixed-precision rows: write each sensitivity report measured here, as "
-                             "REPORT.plain.json / REPORT.gptq.json / REPORT.gptq-act.json / REPORT.gptq-act-long.json, "
+                             "REPORT.plain.json / REPORT.gptq.json / REPORT.gptq-act.json / REPORT.gptq-act-long.json / "
+                             "REPORT.dq.json, "
                              "for a later --sensitivity")
     args = parser.parse_args()
 
