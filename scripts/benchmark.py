@@ -67,11 +67,12 @@ TINY_MOE = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 # The rest are hf_aoq.configs.config_for_scheme's names, with its defaults: int2..int6 (IntxTensor,
 # groups of 32), int8-int2..int8-int6 (the same with int8 per-token activations), int8-int4,
 # fp8-int4, int4-int4 (Int4Tensor with activations quantized per token) and fp8-static (float8
-# with a static per-tensor activation scale per linear, calibrated before timing: see CALIBRATION).
+# with a static per-tensor activation scale per linear, calibrated before timing: see CALIBRATION),
+# int3-dq and int2-dq (IntxDQTensor: 3- or 2-bit codes on Int4DQ's group grid, groups of 32).
 SCHEMES = ("int4", "int8", "int8dyn", "fp8", "fp8dyn")
 NAMED_SCHEMES = ("int2", "int3", "int5", "int6", "int8-int2", "int8-int3", "int8-int5", "int8-int6",
                  "int8-int4", "fp8-int4", "int4-int4", "fp8-static", "mxfp8", "mxfp4", "nvfp4", "nvfp4-wo", "fp6",
-                 "fp8-sparse", "int3-asym")
+                 "fp8-sparse", "int3-asym", "int3-dq", "int2-dq")
 # fp8-static's activation scales: chosen by hf_aoq.calibrate_activation_scales on CALIBRATION
 # batches of 128 tokens: random ids of another seed than the timed ones on the benchmark model
 # (it has no tokenizer), and prose from past the scored text on SmolLM2 in the fidelity step.

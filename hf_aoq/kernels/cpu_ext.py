@@ -29,7 +29,8 @@ FUNCTIONS = [
     "int4dq_linear", "int4dq_linear_io", "int4dq_cpu_rows", "int4dq_row_params", "int4dq_search",
     "int4pack_dequantize", "int4dq_dequantize", "int8_dequantize", "fp8_dequantize",
     "mx_linear_io", "mx_quantize_rows", "mx_fake_quantize", "mx_dequantize", "int8_int4_linear_io", "intx_linear_io",
-    "intx_dequantize", "nvfp4_linear_io", "fpx_linear_io", "fpx_dequantize", "fp8_sparse_linear_io", "fp8_sparse_dequantize",
+    "intx_dequantize", "intxdq_linear_io", "intxdq_dequantize", "nvfp4_linear_io", "fpx_linear_io", "fpx_dequantize",
+    "fp8_sparse_linear_io", "fp8_sparse_dequantize",
     "nvfp4_quantize_rows", "nvfp4_fake_quantize", "nvfp4_dequantize",
     "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "fp8_amx_linear", "amx_available",
 ]

@@ -44,8 +44,8 @@ BF16_GEMM_AMX = capability("cpu:bf16_gemm_amx", "cpu", lambda device: cpu_isa.bf
 # at 32-48 rows, 0.8-1.1 at 64, 0.5 at 128, 0.4 at 256. int8 and float8 against their GEMVs (up to
 # 8 and 16 rows) and float32 dequantize + GEMM above: 1.5-2.8 at 8 rows, 0.6-0.95 at 16, 0.3 at 256.
 # Against the tiled int8/float8 GEMVs (4 x 6 register tiles, kernels/cpu.py): 2.9-3.7 at 8 rows,
-# 2.5 at 16, 1.1-1.15 at 32, 0.88-0.9 at 48, so they start at 40 (the GEMVs' limit there). Intx and
-# FPx: kernels/cpu_intx.py and cpu_fpx.py.
+# 2.5 at 16, 1.1-1.15 at 32, 0.88-0.9 at 48, so they start at 40 (the GEMVs' limit there). Intx
+# (IntxDQ too) and FPx: kernels/cpu_intx.py and cpu_fpx.py.
 # AVX512-BF16 (the Zen 5 above, both shapes, 1 thread, medians of 7 interleaved rounds, GEMM row /
 # streaming kernel): int4 g128 1.59/1.40 at 64 rows, 1.00/1.05 at 128, 0.86/0.82 at 192, 0.72/0.75
 # at 256; Int4DQ g32 1.29/1.30 at 64, 1.13/0.99 at 96, 0.85/1.00 at 128, 0.79/0.69 at 192; int8
@@ -53,7 +53,7 @@ BF16_GEMM_AMX = capability("cpu:bf16_gemm_amx", "cpu", lambda device: cpu_isa.bf
 # 1.35/1.55 at 64, 0.63/0.65 at 96; fp6 e3m2 (FPx, against float32 dequantize + GEMM) 0.91/1.09 at
 # 5 rows, 0.90/1.06 at 8, 0.72/0.82 at 12, 0.79/0.76 at 16.
 MIN_ROWS = {
-    "amx": {"int4": 96, "int4dq": 96, "int8": 40, "fp8": 40, "intx": 65, "fpx": 64},
+    "amx": {"int4": 96, "int4dq": 96, "int8": 40, "fp8": 40, "intx": 20, "fpx": 64},
     "avx512_bf16": {"int4": 160, "int4dq": 128, "int8": 40, "fp8": 40, "intx": 65, "fpx": 12},
 }
 

@@ -1,4 +1,5 @@
-"""hf_aoq's CPU kernels for IntxTensor (1-8 bit codes in the canonical bit streams, csrc/intx.cpp).
+"""hf_aoq's CPU kernels for IntxTensor (1-8 bit codes in the canonical bit streams, csrc/intx.cpp),
+and for IntxDQTensor, whose 2- and 3-bit codes are the same bit streams (the end of this file).
 
 Few rows (up to INTX_GEMV_MAX_ROWS): an integer GEMV that decodes the packed codes in registers,
 so that it reads b/8 bytes per weight, with int16 activation codes per group (weight-only) or
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .common import FLOATS
+from .common import FLOATS, derived
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .cpu_gemm import BF16_GEMM, many_bf16_rows
 from .registry import opaque_op, register_kernel
@@ -27,12 +28,17 @@ from .registry import opaque_op, register_kernel
 # (AVX-512 build; best of interleaved rounds, GEMV / dequantize + float32 GEMM): int2 0.03, 0.11,
 # 0.34, 0.53 at 4, 8, 16, 32 rows; int4 0.05, 0.15, 0.33, 0.6 there and 0.45, 0.73 at 48, 64. The
 # GEMV decodes the weight once per tile of 4 activation rows (2 on AVX2), so its time grows with
-# the rows; the dequantization (scalar code, about 30 ms for this weight) bounds the other path.
-# AVX2 not measured.
+# the rows; the dequantization bounds the other path (then scalar code, about 30 ms for this
+# weight; eight codes per vector step since, 3 ms: below). AVX2 not measured.
 INTX_GEMV_MAX_ROWS = 64
-# bf16 activations where aten's bf16 GEMM is native (AMX, AVX512-BF16): above the GEMV's rows
-# (cpu_gemm.MIN_ROWS "intx", INTX_GEMV_MAX_ROWS + 1 on both), dequantize to bf16 + aten's GEMM (the
-# same dequantization, a faster GEMM than float32's).
+# bf16 activations where aten's bf16 GEMM is native (AMX, AVX512-BF16): from cpu_gemm.MIN_ROWS
+# "intx" rows, dequantize to bf16 + aten's GEMM (the same dequantization, a faster GEMM than
+# float32's). With the vector dequantization (5632x2048 weight, 3-bit codes in groups of 32, bf16,
+# 2 threads on the 2-vCPU Xeon, AMX; best of 15): dequantize to bf16 14.5 -> 3.3 ms for IntxDQ
+# (the scalar loop's byte-wise copy stalled on its reload), and GEMV / (dequantize + AMX GEMM) in
+# ms, IntxDQ int3 then Intx int3-asym: 2.37 / 3.69 and 2.51 / 3.40 at 16 rows, 4.56 / 3.67 and
+# 4.47 / 3.77 at 24, 5.93 / 3.99 at 32, 9.23 / 3.99 at 64: so from 20 rows on AMX (65, just above
+# the GEMV, where AVX512-BF16 has no AMX: not re-measured there).
 # Batch 1 against int4 g32 (Int4Tensor's int16-code kernel through F.linear), 2048x5632, bf16,
 # asymmetric groups of 32, scripts/bench_kernels.py --rows 1 --only intx,"int4 g32" --rounds 60,
 # best of interleaved rounds as ratios (AVX-512 VNNI build, load average ~18 on 2 vCPUs): 1 thread
@@ -112,4 +118,65 @@ def intx_bf16_gemm_linear(x, w, bias):
     """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
     x = w.simulate_input_quantization(x)
     weight = intx_dequantize(w.qdata, w.scale, w.zero, w.bits, w.block_size[-1], _in_features(w), x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+# ---------------------------------------------------------------------- IntxDQTensor
+# The same C++ kernels: IntxDQ's codes are IntxTensor's bit streams, and each group's scale d and
+# centre c (w = (q - (2^b - 1) / 2) * d + c) are decoded per row from the 4-bit indices (gparams)
+# on the row's grid, which the weight keeps decoded (`derived`: float32 [N, 4], 16 bytes a row).
+# Weight-only; the GEMV at up to INTX_GEMV_MAX_ROWS rows, float32 dequantize + GEMM above, and
+# with bf16 activations on a native bf16 GEMM the dequantized weight (the reference's bits) and
+# aten's GEMM from the same crossover as IntxTensor's.
+@opaque_op("intxdq_linear_io_cpu", _linear_out)
+def intxdq_linear_io(
+    x: torch.Tensor, qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+    bits: int, group_size: int, k: int, bias: Optional[torch.Tensor], rows: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    with torch.no_grad():
+        return cpu_ext.load().intxdq_linear_io(x, qdata, gparams, rparams, tparams, bits, group_size, k, bias,
+                                               INTX_GEMV_MAX_ROWS, rows)
+
+
+def _dq_dequantize_fake(qdata, gparams, rparams, tparams, bits, group_size, k, dtype):
+    return qdata.new_empty((qdata.shape[0], k), dtype=dtype)
+
+
+@opaque_op("intxdq_dequantize_cpu", _dq_dequantize_fake)
+def intxdq_dequantize(qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+                      bits: int, group_size: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The IntxDQ weight [N, k] in dtype, bit for bit the reference's dequantize(dtype)."""
+    return cpu_ext.load().intxdq_dequantize(qdata, gparams, rparams, tparams, bits, group_size, k, dtype)
+
+
+def _dq_fields_fit(w) -> bool:
+    """The canonical 2-D layout the C++ reads (3-D fused experts go to the reference)."""
+    return (
+        w.bits in BITS
+        and w.qdata.ndim == 2
+        and w.qdata.is_contiguous()
+        and w.gparams.is_contiguous()
+        and w.tparams.dtype == torch.float32
+    )
+
+
+def _dq_rows(w) -> torch.Tensor:
+    return derived(w, "cpu_intxdq_rows", lambda w: cpu_ext.load().int4dq_row_params(w.rparams, w.tparams))
+
+
+@register_kernel("linear", "IntxDQTensor", "cpu_intxdq_ext", backend="cpu", priority=20, device="cpu",
+                 needs=(CPU_EXT,), when=lambda x, w: x.dtype in FLOATS and _dq_fields_fit(w))
+def intxdq_cpu_linear(x, w, bias):
+    """The integer GEMV at few rows, float32 dequantize + GEMM above (csrc/intx.cpp)."""
+    rows = None if torch.compiler.is_compiling() else _dq_rows(w)  # traced: decoded inside the op, per call
+    return intxdq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.bits, w.block_size[-1], _in_features(w),
+                            bias, rows)
+
+
+@register_kernel("linear", "IntxDQTensor", "cpu_intxdq_bf16_gemm", backend="cpu", priority=30, device="cpu",
+                 needs=(CPU_EXT, BF16_GEMM), when=many_bf16_rows("intx", _dq_fields_fit))
+def intxdq_bf16_gemm_linear(x, w, bias):
+    """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
+    weight = intxdq_dequantize(w.qdata, w.gparams, w.rparams, w.tparams, w.bits, w.block_size[-1], _in_features(w),
+                               x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))

@@ -5,8 +5,9 @@ group into a per-row grid, docs/format.md) with `bits`-bit codes: bits + 8/g + 3
 weight, so groups of 32 cost 3.25 + 32/K bits at 3 bits, where IntxTensor's asymmetric int3 with
 bf16 parameters costs 4.0 at groups of 32 and 3.5 at 64. Small groups follow weights that come
 from a grid of 32 (SmolLM2's Q4_1) far better than large ones; this is the sub-4-bit format for
-mixed precision (docs/sensitivity.md has the measurements). Weight-only; the forward dequantizes
-(the reference kernel): no fast kernel reads it yet.
+mixed precision (docs/sensitivity.md has the measurements). Weight-only; on CPU its forward runs
+IntxTensor's C++ kernels, whose bit streams these codes are (kernels/cpu_intx.py); elsewhere, and
+for 3-D experts, the reference kernel (dequantize, then the float matmul).
 
 Canonical layout (what is saved; 3-D fused experts [E, N, K] put E in front of every field,
 tparams included: [E, 2]), weight [N, K], b = `bits`, L = 2^b - 1, groups of g along K (the last

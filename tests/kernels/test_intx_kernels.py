@@ -4,7 +4,8 @@ stream bits [k*b, (k+1)*b), stream bit i = bit i % 8 of byte i // 8), w = (q - 2
 + zero. Every bit width, the GEMV's groups (32..256, a multiple of 256, per row) and one it
 refuses (16: dequantize + GEMM), symmetric and asymmetric, partial last groups, the three
 activation dtypes, row counts on both sides of the crossover, odd N; weight-only and Int8's
-per-token int8 activations; eager and torch.compile; the AVX2 and AVX-512 builds alike.
+per-token int8 activations; eager and torch.compile; the AVX2 and AVX-512 builds alike (these
+builds' outputs include IntxDQTensor's, which runs the same kernels: test_intxdq_kernels.py).
 
 Tolerances are relative to sum(|x| |w|) per output. Weight-only activations become int16 codes
 per group (each within 1/65534 of the group's largest |x|); int8 activations are the reference's
@@ -234,6 +235,13 @@ for bits in range(1, 9):
             for int8 in (False, True):
                 x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).bfloat16()
                 out[f"{bits} {g} {rows} {int8}"] = run(x, w, int8=int8).contiguous()
+from test_intxdq_kernels import make_weight as make_dq, run as run_dq
+for bits in (2, 3):
+    for g in (32, 64):
+        w = make_dq(37, 1000, bits, g, seed=bits)
+        for rows in (1, 2, 5, 70):
+            x = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            out[f"dq {bits} {g} {rows}"] = run_dq(x, w).contiguous()
 save_file(out, sys.argv[1])
 print("RESULT " + json.dumps({"isa": cpu_ext.chosen_isa(), "file": cpu_ext.load().__file__}))
 """

@@ -17,6 +17,7 @@ from hf_aoq import (
     Int8Tensor,
     Int8WeightOnlyConfig,
     Int8DynamicActivationIntxWeightConfig,
+    IntxDQWeightOnlyConfig,
     IntxWeightOnlyConfig,
     PerGroup,
     PerTensor,
@@ -100,6 +101,8 @@ TABLE = [
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_ext"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8pack_mm"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "reference"),
+    ("linear", "IntxDQTensor", "canonical", "cpu_intxdq_bf16_gemm"),
+    ("linear", "IntxDQTensor", "canonical", "cpu_intxdq_ext"),
     ("linear", "IntxDQTensor", "canonical", "reference"),
     ("linear", "IntxTensor", "canonical", "cpu_intx_bf16_gemm"),
     ("linear", "IntxTensor", "canonical", "cpu_intx_ext"),
@@ -293,7 +296,8 @@ def test_aten_int8_kernel_is_not_given_bfloat16_rows_it_cannot_read():
 
 CONFIGS = [Int4WeightOnlyConfig(32), Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig(),
            Float8WeightOnlyConfig(), Int4DQWeightOnlyConfig(),
-           IntxWeightOnlyConfig(torch.int3, PerGroup(32)), Int8DynamicActivationIntxWeightConfig(torch.int5)]
+           IntxWeightOnlyConfig(torch.int3, PerGroup(32)), Int8DynamicActivationIntxWeightConfig(torch.int5),
+           IntxDQWeightOnlyConfig(3, 32)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: type(c).__name__)
@@ -308,8 +312,9 @@ def test_compiled_graphs_run_the_kernel_eager_mode_runs(config):
     quantize_(lin, config)
     x = torch.randn(3, 128)
     kernel = kernels.select_kernel("linear", x, lin.weight)
-    if kernel.name == "reference" and isinstance(config, Int4DQWeightOnlyConfig):
-        pytest.xfail("Int4DQTensor.dequantize indexes a module-level tensor (LUT), which torch.compile refuses")
+    if kernel.name == "reference" and isinstance(config, (Int4DQWeightOnlyConfig, IntxDQWeightOnlyConfig)):
+        pytest.xfail(f"{type(lin.weight).__name__}.dequantize indexes a module-level tensor (Int4DQ's LUT), which "
+                     "torch.compile refuses")
     ops = []
 
     def record(gm, inputs):
@@ -329,6 +334,7 @@ def test_compiled_graphs_run_the_kernel_eager_mode_runs(config):
         "cpu_fp8_gemv": ["hf_aoq.fp8_linear_io_cpu.default"],
         "cpu_int4dq_ext": ["hf_aoq.int4dq_linear_io_cpu.default"],
         "cpu_intx_ext": ["hf_aoq.intx_linear_io_cpu.default"],
+        "cpu_intxdq_ext": ["hf_aoq.intxdq_linear_io_cpu.default"],
         "cpu_int8_int4_ext": ["hf_aoq.int8_int4_linear_io_cpu.default"],
         "cpu_int8dyn_amx": ["hf_aoq.int8dyn_amx_linear_cpu.default"],
     }.get(kernel.name, [])

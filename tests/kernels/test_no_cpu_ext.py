@@ -135,6 +135,7 @@ MODULES = [
     ["kernels/test_cpu_kernels.py"],
     ["tensors/test_tensors.py"],
     ["tensors/test_int4dq.py"],
+    ["tensors/test_intxdq.py"],
     ["tensors/test_act_variants.py"],
     ["tensors/test_input_scale.py"],
     ["kernels/test_int8_int4_kernels.py"],

@@ -88,6 +88,12 @@ torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor
                              int64_t gemv_max_rows, bool int8_activations);
 torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t bits,
                               int64_t group_size, int64_t k, torch::ScalarType dtype);
+// intx.cpp: IntxDQTensor (2-3 bit codes on Int4DQ's group grid), weight-only F.linear and dequantize.
+torch::Tensor intxdq_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
+                               torch::Tensor tparams, int64_t bits, int64_t group_size, int64_t k,
+                               c10::optional<torch::Tensor> bias, int64_t gemv_max_rows, c10::optional<torch::Tensor> rows);
+torch::Tensor intxdq_dequantize(torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams, torch::Tensor tparams,
+                                int64_t bits, int64_t group_size, int64_t k, torch::ScalarType dtype);
 
 // fpx.cpp: FPxTensor (sub-byte floats, canonical bit streams, a scale per row), F.linear in one call.
 torch::Tensor fpx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, int64_t ebits, int64_t mbits,

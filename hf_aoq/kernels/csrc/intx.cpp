@@ -1,6 +1,8 @@
 // IntxTensor's CPU kernels (1-8 bit codes, canonical layout: per row a little-endian bit stream,
 // the code of column k at stream bits [k*b, (k+1)*b)): F.linear in one call, and the weight
-// dequantized exactly as the reference does it.
+// dequantized exactly as the reference does it. IntxDQTensor's 2- and 3-bit codes are the same
+// bit streams: the same kernels, with its groups' scale and centre decoded from Int4DQ's 4-bit
+// indices per row (IntxWeight::row_params) and the codes' centre o = (2^b - 1) / 2.
 //
 // Few rows: an integer GEMV that decodes the packed codes in registers, so that the bytes read
 // per weight are b/8 (what fewer bits are for at batch 1). The activations become int16 codes:
@@ -10,7 +12,7 @@
 // products as the reference, whose activation is then rounded to x's dtype). The codes meet in
 // vpmaddwd (AVX-512 VNNI: vpdpwssd), exact int32 sums, then float32 scaling:
 //   y[m, n] = sum_j s[n, g(j)] * sx[m, j] * isum_j + sum_j (z - o * s)[n, g(j)] * xs[m, j],
-// o = 2^(b-1), xs = sx * (sum of the sub-group's activation codes).
+// o = 2^(b-1) (IntxDQTensor: (2^b - 1) / 2), xs = sx * (sum of the sub-group's activation codes).
 //
 // Decoding. A block is 32 * P columns, P = codes per 16-bit lane (b = 1, 2, 3, 4, 5, 6, 7, 8:
 // P = 16, 8, 4, 4, 2, 2, 1, 2): its 4 * P * b bytes fill 32 16-bit lanes, lane L holding the
@@ -44,6 +46,7 @@
 
 #include "hf_aoq_cpu.h"
 #include "int4_pairs.h"   // quantize_rows16 (int16 activation codes), dequant_gemm.h
+#include "int4dq_rows.h"  // int4dq_decode: IntxDQTensor's row grid
 #include "intx_decode.h"  // Layout, Spread, block_dots: the decoding in registers
 #include "simd.h"
 
@@ -88,32 +91,96 @@ inline void row_to_float(const void* src, torch::ScalarType t, float* dst, int64
   for (; i < n; ++i) dst[i] = static_cast<float>(h[i]);
 }
 
-// The weight's fields as the kernels read them.
+// The weight's fields as the kernels read them. IntxTensor: a scale (and a zero) per group, of
+// one float dtype. IntxDQTensor: each group's scale d and zero (its centre c) decoded from 4-bit
+// indices (gp [N, G]: a low nibble, b high) on its row's grid (rows [N, 4]: dlo, dstep, clo,
+// cstep, Int4DQ's decoding), d = dlo + a * dstep and c = clo + b * cstep in float32 as the
+// reference; scale and zero are null then.
 struct IntxWeight {
   const uint8_t* q;
   int64_t N, K, row_bytes, G, g;  // G: scale columns, g: group size
   const void* scale;
   const void* zero;  // null: symmetric
   torch::ScalarType dtype;
+  float off;  // the codes' centre o: 2^(b-1) (IntxTensor) or (2^b - 1) / 2 (IntxDQTensor)
+  const uint8_t* gp = nullptr;
+  const float* rows = nullptr;
+  bool has_zero() const { return zero != nullptr || gp != nullptr; }
+  // Row n's G scales and (where there are) zeros, as float32.
+  void row_params(int64_t n, float* s, float* z) const {
+    if (gp) {
+      const uint8_t* p = gp + n * G;
+      const float* r = rows + n * 4;
+      for (int64_t j = 0; j < G; ++j) {
+        s[j] = r[0] + static_cast<float>(p[j] & 15) * r[1];
+        z[j] = r[2] + static_cast<float>(p[j] >> 4) * r[3];
+      }
+      return;
+    }
+    const int64_t esz = dtype == torch::kFloat32 ? 4 : 2;
+    row_to_float(static_cast<const char*>(scale) + n * G * esz, dtype, s, G);
+    if (zero) row_to_float(static_cast<const char*>(zero) + n * G * esz, dtype, z, G);
+  }
 };
 
-// Rows [n0, n1) as float32 [n1 - n0, K]: (q - o) * s (+ z), as the reference, in float32.
+// Eight codes (exactly B bytes at `p`) as int32 lanes, code i in lane i: the four low codes from
+// the first 32 bits, the four high ones from the 32 bits that start at code 4 (4 * B <= 32); the
+// bits above code 7 never reach a lane. Where 8 bytes remain before `end`, one 8-byte load: B
+// bytes copied into a zeroed word went through the stack, and the wide reload of those narrow
+// stores stalled (a third of the dequantization's time at B = 3).
+#if defined(__AVX2__)
+template <int B>
+inline __m256i eight_codes(const uint8_t* p, const uint8_t* end) {
+  uint64_t v = 0;
+  if (p + 8 <= end)
+    std::memcpy(&v, p, 8);
+  else
+    std::memcpy(&v, p, B);
+  const __m256i both = _mm256_setr_epi32(int(uint32_t(v)), int(uint32_t(v)), int(uint32_t(v)), int(uint32_t(v)),
+                                         int(uint32_t(v >> (4 * B))), int(uint32_t(v >> (4 * B))),
+                                         int(uint32_t(v >> (4 * B))), int(uint32_t(v >> (4 * B))));
+  const __m256i shift = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 0, B, 2 * B, 3 * B);
+  return _mm256_and_si256(_mm256_srlv_epi32(both, shift), _mm256_set1_epi32((1 << B) - 1));
+}
+#endif
+
+// Rows [n0, n1) as float32 [n1 - n0, K]: (q - o) * s (+ z), as the reference, in float32 (eight
+// codes at a time in the AVX2 builds: the same subtract, multiply and add per weight).
 template <int B>
 struct IntxRows {
   const IntxWeight& w;
   void operator()(int64_t n0, int64_t n1, float* buf) const {
-    const float off = float(1 << (B - 1));
-    std::vector<float> s(w.G), z(w.G);
-    const int64_t esz = w.dtype == torch::kFloat32 ? 4 : 2;
+    const float off = w.off;
+    const bool has_zero = w.has_zero();
+    [[maybe_unused]] const uint8_t* qend = w.q + w.N * w.row_bytes;
+    // Per thread, kept across calls: dequant_weight_into asks for one row at a time.
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < size_t(2 * w.G)) scratch.assign(2 * w.G, 0.f);
+    float* s = scratch.data();
+    float* z = s + w.G;
+    std::fill(z, z + w.G, 0.f);
     for (int64_t n = n0; n < n1; ++n) {
-      row_to_float(static_cast<const char*>(w.scale) + n * w.G * esz, w.dtype, s.data(), w.G);
-      if (w.zero) row_to_float(static_cast<const char*>(w.zero) + n * w.G * esz, w.dtype, z.data(), w.G);
+      w.row_params(n, s, z);
       const uint8_t* row = w.q + n * w.row_bytes;
       float* o = buf + (n - n0) * w.K;
       for (int64_t k0 = 0; k0 < w.K; k0 += w.g) {
         const int64_t k1 = std::min(w.K, k0 + w.g), gi = k0 / w.g;
         const float sg = s[gi], zg = z[gi];
         int64_t k = k0;
+#if defined(__AVX2__)
+        const auto one = [&](int64_t j) {
+          const float v = (float(code_of<B>(row, j)) - off) * sg;
+          o[j] = has_zero ? v + zg : v;
+        };
+        for (; k < k1 && (k & 7); ++k) one(k);
+        const __m256 vo = _mm256_set1_ps(off), vs = _mm256_set1_ps(sg), vz = _mm256_set1_ps(zg);
+        for (; k + 8 <= k1; k += 8) {
+          __m256 f = _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(eight_codes<B>(row + k / 8 * B, qend)), vo), vs);
+          if (has_zero) f = _mm256_add_ps(f, vz);
+          _mm256_storeu_ps(o + k, f);
+        }
+        for (; k < k1; ++k) one(k);
+#else
         for (; k < k1 && (k & 7); ++k) o[k] = (float(code_of<B>(row, k)) - off) * sg;
         for (; k + 8 <= k1; k += 8) {  // eight codes are exactly B bytes
           uint64_t v = 0;
@@ -121,8 +188,9 @@ struct IntxRows {
           for (int i = 0; i < 8; ++i) o[k + i] = (float((v >> (B * i)) & ((1u << B) - 1)) - off) * sg;
         }
         for (; k < k1; ++k) o[k] = (float(code_of<B>(row, k)) - off) * sg;
-        if (w.zero)
+        if (has_zero)
           for (int64_t j = k0; j < k1; ++j) o[j] = o[j] + zg;
+#endif
       }
     }
   }
@@ -297,16 +365,14 @@ void intx_gemv(const IntxWeight& w, const Acts& xa, int64_t M, float* y) {
   }
   std::vector<int64_t> group_of(NS);  // the weight group of each sub-group
   for (int64_t j = 0; j < NS; ++j) group_of[j] = j * a / w.g;
-  const float off = float(1 << (B - 1));
+  const float off = w.off;
   const uint8_t* qend = w.q + w.N * w.row_bytes;
-  const int64_t esz = w.dtype == torch::kFloat32 ? 4 : 2;
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     const int64_t GP = std::max(w.G, NSp);
     std::vector<float> sg(GP, 0.f), zg(GP, 0.f), ss(NSp, 0.f), zs(NSp, 0.f), tb(kMaxTile * tlen, 0.f);
     const bool same = a == w.g;  // sub-groups are the weight's groups (then G == NS)
     for (int64_t n = n0; n < n1; ++n) {
-      row_to_float(static_cast<const char*>(w.scale) + n * w.G * esz, w.dtype, sg.data(), w.G);
-      if (w.zero) row_to_float(static_cast<const char*>(w.zero) + n * w.G * esz, w.dtype, zg.data(), w.G);
+      w.row_params(n, sg.data(), zg.data());
       // Per sub-group: the scale and the zero term's factor z - o * s.
       if (same) {
         for (int64_t j = 0; j < NSp; ++j) zs[j] = zg[j] - off * sg[j];
@@ -369,22 +435,42 @@ IntxWeight check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, 
     TORCH_CHECK(zero->scalar_type() == st && zero->sizes() == scale.sizes() && zero->is_contiguous(),
                 "zero: contiguous, scale's shape and dtype");
   return IntxWeight{qdata.data_ptr<uint8_t>(), N, k, row_bytes, G, group_size, scale.data_ptr(),
-                    has_zero ? zero->data_ptr() : nullptr, st};
+                    has_zero ? zero->data_ptr() : nullptr, st, float(1 << (bits - 1))};
 }
 
-}  // namespace
+// IntxDQTensor's fields; `table` receives the decoded row table (float32 [N, 4]): `rows` where
+// given (the caller's copy, kept with the weight), else decoded from rparams and tparams here.
+IntxWeight check_dq_weight(const torch::Tensor& qdata, const torch::Tensor& gparams, const torch::Tensor& rparams,
+                           const torch::Tensor& tparams, const c10::optional<torch::Tensor>& rows, int64_t bits,
+                           int64_t group_size, int64_t k, torch::Tensor& table) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, "bits: 1..8, got ", bits);
+  TORCH_CHECK(k > 0 && group_size > 0, "k and group_size must be positive");
+  const int64_t row_bytes = (k * bits + 7) / 8, G = (k + group_size - 1) / group_size;
+  TORCH_CHECK(qdata.dtype() == torch::kUInt8 && qdata.dim() == 2 && qdata.size(1) == row_bytes && qdata.is_contiguous(),
+              "qdata: contiguous uint8 [N, ", row_bytes, "], got ", qdata.dtype(), " ", qdata.sizes());
+  const int64_t N = qdata.size(0);
+  TORCH_CHECK(gparams.dtype() == torch::kUInt8 && gparams.dim() == 2 && gparams.size(0) == N && gparams.size(1) == G &&
+                  gparams.is_contiguous(),
+              "gparams: contiguous uint8 [", N, ", ", G, "], got ", gparams.dtype(), " ", gparams.sizes());
+  TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: [", N, ", 4], got ", rparams.sizes());
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(rows->dtype() == torch::kFloat32 && rows->dim() == 2 && rows->size(0) == N && rows->size(1) == 4 &&
+                    rows->is_contiguous(),
+                "rows: contiguous float32 [", N, ", 4] (int4dq_row_params of the weight's rparams and tparams)");
+    table = *rows;
+  } else {
+    table = int4dq_decode(rparams, tparams);  // checks rparams and tparams
+  }
+  IntxWeight w{qdata.data_ptr<uint8_t>(), N, k, row_bytes, G, group_size, nullptr, nullptr, torch::kFloat32,
+               float((1 << bits) - 1) / 2.f};
+  w.gp = gparams.data_ptr<uint8_t>();
+  w.rows = table.data_ptr<float>();
+  return w;
+}
 
-// F.linear(x, IntxTensor weight, bias): x float32 / bfloat16 / float16 [..., k]; qdata uint8 [N,
-// ceil(k * bits / 8)] (the canonical bit streams); scale and zero (optional) [N, ceil(k /
-// group_size)] of one float dtype; bias optional [N]. int8_activations: Int8Tensor's per-token
-// int8 activations (act_quant "per_token"). At up to gemv_max_rows rows (and a group size the
-// GEMV takes: 32, 64, 128, 256, a multiple of 256, or k), the integer GEMV; else the weight
-// dequantized in float32 chunks and float32 GEMM. Computed in float32, bias added in float32,
-// returned in x's dtype as [..., N].
-torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
-                             int64_t bits, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
-                             int64_t gemv_max_rows, bool int8_activations) {
-  const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, k);
+// F.linear(x, w, bias) for either type (see intx_linear_io).
+torch::Tensor linear_io(const IntxWeight& w, torch::Tensor x, const c10::optional<torch::Tensor>& bias, int64_t bits,
+                        int64_t group_size, int64_t k, int64_t gemv_max_rows, bool int8_activations) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x: expected [..., ", k, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
                   x.scalar_type() == torch::kFloat16,
@@ -429,11 +515,8 @@ torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor
   return y.to(x.scalar_type()).view(sizes);
 }
 
-// The weight [N, k] in dtype (float32, bfloat16 or float16), bit for bit the reference's
-// dequantize(dtype): (q - 2^(bits-1)) * scale (+ zero) in float32, rounded once.
-torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t bits,
-                              int64_t group_size, int64_t k, torch::ScalarType dtype) {
-  const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, k);
+// The weight [N, k] in dtype, as IntxRows decodes it (see intx_dequantize).
+torch::Tensor dequantize(const IntxWeight& w, int64_t bits, int64_t k, torch::ScalarType dtype) {
   torch::Tensor out;
   dispatch_bits(bits, [&](auto bc) {
     constexpr int B = decltype(bc)::value;
@@ -447,4 +530,48 @@ torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::opt
     }
   });
   return out;
+}
+
+}  // namespace
+
+// F.linear(x, IntxTensor weight, bias): x float32 / bfloat16 / float16 [..., k]; qdata uint8 [N,
+// ceil(k * bits / 8)] (the canonical bit streams); scale and zero (optional) [N, ceil(k /
+// group_size)] of one float dtype; bias optional [N]. int8_activations: Int8Tensor's per-token
+// int8 activations (act_quant "per_token"). At up to gemv_max_rows rows (and a group size the
+// GEMV takes: 32, 64, 128, 256, a multiple of 256, or k), the integer GEMV; else the weight
+// dequantized in float32 chunks and float32 GEMM. Computed in float32, bias added in float32,
+// returned in x's dtype as [..., N].
+torch::Tensor intx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
+                             int64_t bits, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
+                             int64_t gemv_max_rows, bool int8_activations) {
+  const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, k);
+  return linear_io(w, x, bias, bits, group_size, k, gemv_max_rows, int8_activations);
+}
+
+// The weight [N, k] in dtype (float32, bfloat16 or float16), bit for bit the reference's
+// dequantize(dtype): (q - 2^(bits-1)) * scale (+ zero) in float32, rounded once.
+torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t bits,
+                              int64_t group_size, int64_t k, torch::ScalarType dtype) {
+  return dequantize(check_weight(qdata, scale, zero, bits, group_size, k), bits, k, dtype);
+}
+
+// F.linear(x, IntxDQTensor weight, bias), weight-only: its canonical fields (qdata as IntxTensor's
+// bit streams, gparams uint8 [N, ceil(k / group_size)], rparams uint8 [N, 4], tparams float32
+// [2]); rows: the decoded row table (int4dq_row_params), optional. The same paths as
+// intx_linear_io's, with o = (2^bits - 1) / 2 and each group's (d, c) as (scale, zero).
+torch::Tensor intxdq_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
+                               torch::Tensor tparams, int64_t bits, int64_t group_size, int64_t k,
+                               c10::optional<torch::Tensor> bias, int64_t gemv_max_rows, c10::optional<torch::Tensor> rows) {
+  torch::Tensor table;
+  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, rows, bits, group_size, k, table);
+  return linear_io(w, x, bias, bits, group_size, k, gemv_max_rows, false);
+}
+
+// The IntxDQTensor weight [N, k] in dtype, bit for bit the reference's dequantize(dtype):
+// (q - (2^bits - 1) / 2) * d + c in float32, rounded once.
+torch::Tensor intxdq_dequantize(torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams, torch::Tensor tparams,
+                                int64_t bits, int64_t group_size, int64_t k, torch::ScalarType dtype) {
+  torch::Tensor table;
+  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, c10::nullopt, bits, group_size, k, table);
+  return dequantize(w, bits, k, dtype);
 }
