@@ -18,13 +18,14 @@ def int4dq_search(x, mask, a0, b0, dlo, dstep, clo, cstep, k: int, levels: int =
     columns). Returns (a, b, q); the C++ and the torch search choose the same.
 
     `levels`: the largest code (15 for Int4DQ; 7 and 3 for IntxDQTensor's 3- and 2-bit codes),
-    w = (q - levels / 2) * d + c. The C++ search has Int4DQ's 15 only."""
-    ext = cpu_ext.load() if x.device.type == "cpu" and levels == 15 else None
+    w = (q - levels / 2) * d + c."""
+    ext = cpu_ext.load() if x.device.type == "cpu" else None
     if ext is not None:  # about 10x faster than the torch ops
         n, _, g = x.shape
         rows = torch.cat([dlo, dstep, clo, cstep], dim=1).contiguous()
         flat = x.reshape(n, -1).contiguous()
-        q, a, b = ext.int4dq_search(flat, a0.to(torch.uint8).contiguous(), b0.to(torch.uint8).contiguous(), rows, g, k)
+        q, a, b = ext.int4dq_search(flat, a0.to(torch.uint8).contiguous(), b0.to(torch.uint8).contiguous(), rows, g, k,
+                                     levels)
         return a, b, q
     return _torch_search(x, mask, a0, b0, dlo, dstep, clo, cstep, levels)
 

@@ -169,7 +169,7 @@ def test_group_ranges_clip_only_where_it_pays(bits):
 
 
 def test_search_at_3_bits_picks_the_best_neighbouring_indices():
-    """int4dq_search with levels=7 (torch; the C++ search has 15 only) returns, per group, the
+    """int4dq_search with levels=7 (C++ where the extension is built, else torch) returns, per group, the
     scale and centre indices among the nearest ones' neighbours with the least squared error, and
     the codes on that grid."""
     torch.manual_seed(0)
@@ -191,6 +191,26 @@ def test_search_at_3_bits_picks_the_best_neighbouring_indices():
     for da in (-1, 0, 1):
         for db in (-1, 0, 1):
             assert bool((best <= error((a0 + da).clamp(0, 15), (b0 + db).clamp(0, 15)) + 1e-6).all())
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's CPU extension is not built here")
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("shape, g, dtype", [((200, 2048), 32, torch.bfloat16), ((64, 1000), 64, torch.float32),
+                                             ((48, 70), 32, torch.float16)])
+def test_cpp_search_chooses_as_the_torch_search(shape, g, dtype, bits, monkeypatch):
+    """The C++ search (kernels/csrc/int4dq_search.cpp with 7 or 3 levels) and its torch version
+    pick the same indices and codes: rows of very different ranges, a zero row, a constant row, a
+    partial last group."""
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * torch.logspace(-4, 1, shape[0])[:, None]
+    w[1] = 0.0
+    w[2] = 0.3
+    w = w.to(dtype)
+    fast = IntxDQTensor.from_float(w, bits, g)
+    monkeypatch.setattr(cpu_ext, "load", lambda: None)
+    slow = IntxDQTensor.from_float(w, bits, g)
+    for name in ("qdata", "gparams", "rparams", "tparams"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
 
 
 def test_gptq_calibrates_it():

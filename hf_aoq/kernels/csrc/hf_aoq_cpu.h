@@ -45,10 +45,10 @@ torch::Tensor int4dq_cpu_rows(torch::Tensor rparams, torch::Tensor tparams);
 torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, int64_t k, torch::ScalarType dtype);
 
-// int4dq_search.cpp: Int4DQTensor's quantize-time helpers.
+// int4dq_search.cpp: Int4DQTensor's (and IntxDQTensor's) quantize-time helpers.
 torch::Tensor int4dq_row_params(torch::Tensor rparams, torch::Tensor tparams);
 std::vector<torch::Tensor> int4dq_search(torch::Tensor x, torch::Tensor a0, torch::Tensor b0, torch::Tensor rows,
-                                         int64_t g, int64_t k);
+                                         int64_t g, int64_t k, int64_t levels);
 
 // int8.cpp
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows);
