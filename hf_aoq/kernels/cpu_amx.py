@@ -1,6 +1,7 @@
 """Many-row CPU linears on AMX tiles for bf16 activations: hf_aoq's own tile GEMM
 (csrc/amx_gemm.h) dequantizes each block of 32 output columns into a small bf16 panel and
 multiplies from it, so the weight is read once in its own bytes and no whole bf16 copy is made.
+Int4, Int4DQ, Int8 and Float8 weights, and Intx / IntxDQ bit streams (csrc/intx.cpp's panel).
 Int8 weights with dynamic int8 activations multiply on the int8 tiles instead (cpu_int8dyn_amx,
 below: exact integer products, any float activations).
 
@@ -27,6 +28,7 @@ import torch
 from . import cpu_ext, cpu_isa
 from .common import FLOATS
 from .common import rows as _rows
+from . import cpu_intx
 from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features, _per_row
 from .registry import capability, opaque_op, register_kernel
 
@@ -47,7 +49,11 @@ AMX_INT8 = capability("cpu:amx_int8_kernels", "cpu", lambda device: cpu_isa.amx_
 # at 12 rows, 0.63/0.62 against 0.80/0.77 at 16; Int4DQ g32 0.70/0.77 against 0.55/0.59 at 8,
 # 0.82/0.73 against 0.84/0.92 at 12; int8 0.87/0.77 against 0.85/0.91 at 8, 0.90/0.81 against
 # 1.06/1.19 at 12; float8 0.95/0.74 against 1.00/1.03 at 8.
-MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 10, "fp8": 8}
+# Intx (3-bit asymmetric codes in groups of 32) and IntxDQ (3-bit, groups of 32) against
+# cpu_intx.py's GEMV, 5632x2048, 2 threads, best of 15, ms (tiles / GEMV): Intx 1.53 / 1.29 at 8
+# rows, 1.50 / 2.26 at 12; IntxDQ 1.82 / 1.56 at 12, 1.79 / 2.61 at 16; at 128 rows IntxDQ 2.87
+# against 4.24 for dequantize + aten's AMX GEMM (cpu_intx.py's bf16 GEMM row), dense bf16 1.63.
+MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 10, "fp8": 8, "intx": 12, "intxdq": 16}
 # Int8 weights with dynamic int8 activations on the int8 tiles (cpu_int8dyn_amx) against cpu.py's
 # GEMV on the activations fake-quantized in the same C++ call (cpu_int8_ext; weights from DRAM, 64
 # copies cycled, same machine, 2048x5632 / 5632x2048, tiles / GEMV): 1.39 / 1.06 at 1 row, 1.04 /
@@ -91,6 +97,19 @@ def fp8_amx_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, sh
     return cpu_ext.load().fp8_amx_linear(x, codes, scale, shift, bias)
 
 
+@opaque_op("intx_amx_linear_cpu", _out)
+def intx_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+                    bits: int, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return cpu_ext.load().intx_amx_linear(x, qdata, scale, zero, bits, group_size, bias)
+
+
+@opaque_op("intxdq_amx_linear_cpu", _out)
+def intxdq_amx_linear(x: torch.Tensor, qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor,
+                      tparams: torch.Tensor, bits: int, group_size: int, bias: Optional[torch.Tensor],
+                      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return cpu_ext.load().intxdq_amx_linear(x, qdata, gparams, rparams, tparams, bits, group_size, bias, rows)
+
+
 def _many_bf16_rows(fmt):
     def when(x, w) -> bool:
         # N and K multiples of 32 (the tiles); read off the fields, not w.shape (slow per call).
@@ -104,7 +123,8 @@ def _apply(x, k, kernel, *args):
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-_int4_rows, _int4dq_rows, _int8_rows, _fp8_rows = (_many_bf16_rows(f) for f in ("int4", "int4dq", "int8", "fp8"))
+_int4_rows, _int4dq_rows, _int8_rows, _fp8_rows, _intx_rows, _intxdq_rows = (
+    _many_bf16_rows(f) for f in ("int4", "int4dq", "int8", "fp8", "intx", "intxdq"))
 _NEEDS = (CPU_EXT, AMX)
 
 
@@ -158,3 +178,24 @@ def _fp8(x, w, bias):
     codes = w.qdata
     scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
     return _apply(x, _in_features(w), fp8_amx_linear, codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype], bias)
+
+
+# IntxTensor and IntxDQTensor: their bit streams decoded 32 rows at a time into bf16 panels
+# (csrc/intx.cpp IntxRowsPanel; groups of a multiple of 16 columns).
+def _intx_groups_fit(w) -> bool:
+    return w.block_size[-1] % 16 == 0
+
+
+@register_kernel("linear", "IntxTensor", "cpu_intx_amx", backend="cpu", priority=35, device="cpu", needs=_NEEDS,
+                 when=lambda x, w: _intx_rows(x, w) and cpu_intx._fields_fit(w) and _intx_groups_fit(w))
+def _intx(x, w, bias):
+    x = w.simulate_input_quantization(x)
+    return _apply(x, _in_features(w), intx_amx_linear, w.qdata, w.scale, w.zero, w.bits, w.block_size[-1], bias)
+
+
+@register_kernel("linear", "IntxDQTensor", "cpu_intxdq_amx", backend="cpu", priority=35, device="cpu", needs=_NEEDS,
+                 when=lambda x, w: _intxdq_rows(x, w) and cpu_intx._dq_fields_fit(w) and _intx_groups_fit(w))
+def _intxdq(x, w, bias):
+    rows = None if torch.compiler.is_compiling() else cpu_intx._dq_rows(w)
+    return _apply(x, _in_features(w), intxdq_amx_linear, w.qdata, w.gparams, w.rparams, w.tparams, w.bits,
+                  w.block_size[-1], bias, rows)

@@ -32,7 +32,8 @@ FUNCTIONS = [
     "intx_dequantize", "intxdq_linear_io", "intxdq_dequantize", "nvfp4_linear_io", "fpx_linear_io", "fpx_dequantize",
     "fp8_sparse_linear_io", "fp8_sparse_dequantize",
     "nvfp4_quantize_rows", "nvfp4_fake_quantize", "nvfp4_dequantize",
-    "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "fp8_amx_linear", "amx_available",
+    "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "fp8_amx_linear", "intx_amx_linear",
+    "intxdq_amx_linear", "amx_available",
 ]
 # No contraction of a separate multiply and add into an FMA: the dequantizing kernels must round
 # as the reference does.

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
+from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxDQTensor, IntxTensor
 from hf_aoq.kernels import cpu_amx, cpu_ext, cpu_isa, registry, select_kernel
 from hf_aoq.kernels.reference import reference_linear
 from hf_aoq.tensors.float8 import PerTensor
@@ -24,7 +24,8 @@ AMX_INT8 = AMX and cpu_isa.amx_int8_allowed()
 needs_amx_int8 = pytest.mark.skipif(not AMX_INT8, reason=f"this CPU grants AMX-BF16 but not AMX-INT8 "
                                                          f"({cpu_isa.describe()['flags']})")
 
-ROW = {"int4": "cpu_int4_amx", "int4dq": "cpu_int4dq_amx", "int8": "cpu_int8_amx", "fp8": "cpu_fp8_amx"}
+ROW = {"int4": "cpu_int4_amx", "int4dq": "cpu_int4dq_amx", "int8": "cpu_int8_amx", "fp8": "cpu_fp8_amx",
+       "intx": "cpu_intx_amx", "intxdq": "cpu_intxdq_amx"}
 
 
 def _weights(n: int, k: int, seed: int = 0) -> dict[str, tuple[str, object]]:
@@ -39,11 +40,17 @@ def _weights(n: int, k: int, seed: int = 0) -> dict[str, tuple[str, object]]:
     out["int8 dynamic"] = ("int8", Int8Tensor.from_float(w, act_quant="per_token"))
     out["fp8 e4m3"] = ("fp8", Float8Tensor.from_float(w))
     out["fp8 e5m2 per tensor"] = ("fp8", Float8Tensor.from_float(w, torch.float8_e5m2, PerTensor()))
+    for bits, g, symmetric in ((3, 32, False), (2, 16, True), (5, 64, False), (8, 128, True), (1, None, False)):
+        out[f"intx int{bits} g{g}"] = ("intx", IntxTensor.from_float(w.bfloat16(), bits, g, symmetric=symmetric))
+    out["intx int4 g32 fp16 scales"] = ("intx", IntxTensor.from_float(w.half(), 4, 32, symmetric=False))
+    out["intx int6 g32 int8 activations"] = ("intx", IntxTensor.from_float(w.bfloat16(), 6, 32, act_quant="per_token"))
+    out.update({f"intxdq int{b} g{g}": ("intxdq", IntxDQTensor.from_float(w, b, g)) for b in (2, 3) for g in (32, 64)})
     return out
 
 
 def _run(fmt: str, x: torch.Tensor, w, bias=None) -> torch.Tensor:
-    return {"int4": cpu_amx._int4, "int4dq": cpu_amx._int4dq, "int8": cpu_amx._int8, "fp8": cpu_amx._fp8}[fmt](x, w, bias)
+    return {"int4": cpu_amx._int4, "int4dq": cpu_amx._int4dq, "int8": cpu_amx._int8, "fp8": cpu_amx._fp8,
+            "intx": cpu_amx._intx, "intxdq": cpu_amx._intxdq}[fmt](x, w, bias)
 
 
 @pytest.mark.parametrize("name", list(_weights(64, 256)))
@@ -109,7 +116,9 @@ def test_chunks_of_rows_and_of_k():
     torch.manual_seed(3)
     w = torch.randn(64, 4096) * 0.05
     for fmt, q in (("int8", Int8Tensor.from_float(w)), ("int4", Int4Tensor.from_float(w.bfloat16(), 128).place()),
-                   ("int4dq", Int4DQTensor.from_float(w, 32).place()), ("fp8", Float8Tensor.from_float(w))):
+                   ("int4dq", Int4DQTensor.from_float(w, 32).place()), ("fp8", Float8Tensor.from_float(w)),
+                   ("intx", IntxTensor.from_float(w.bfloat16(), 3, 64, symmetric=False)),
+                   ("intxdq", IntxDQTensor.from_float(w, 3, 32))):
         x = torch.randn(300, 4096, dtype=torch.bfloat16)
         _within_fp32_accumulation(_run(fmt, x, q), x, q.dequantize(torch.bfloat16), None)
     # At most 16 rows (half blocks: the tiles of rows 16-31 skipped) with k in chunks: 12 rows x

@@ -119,8 +119,8 @@ def test_bad_fields_are_refused():
 def test_f_linear_runs_the_kernel_and_agrees_with_the_reference_kernel(bits, g):
     w = make_weight(40, 320, bits, g, seed=bits)
     reference = next(k for k in registry.kernels_for("linear", "IntxDQTensor") if k.name == "reference")
-    # Up to the bf16 GEMM row's crossover (20 rows on AMX)
-    for rows in (1, 5, min(cpu_intx.INTX_GEMV_MAX_ROWS, cpu_gemm.min_rows("intx") - 1)):
+    # Below the many-row rows' crossovers (the AMX tiles from 16 rows, tests/kernels/test_cpu_amx.py)
+    for rows in (1, 5, 12):
         x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         assert registry.select_kernel("linear", x, w).name == "cpu_intxdq_ext"
         y, ref = torch.nn.functional.linear(x, w), reference.fn(x, w, None)
@@ -137,7 +137,8 @@ def test_bf16_gemm_row_gives_the_references_bits():
     w = make_weight(24, 256, 3, 32)
     x = torch.randn(cpu_gemm.min_rows("intx"), 256, dtype=torch.bfloat16)
     assert gemm.when(x, w) and not gemm.when(x[:-1], w)
-    assert registry.select_kernel("linear", x, w).name == "cpu_intxdq_bf16_gemm"
+    # where hf_aoq's AMX tiles run, their row comes first (priority 35 against 30)
+    assert registry.select_kernel("linear", x, w).name in ("cpu_intxdq_bf16_gemm", "cpu_intxdq_amx")
     assert torch.equal(gemm.fn(x, w, None), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
 
 

@@ -27,6 +27,11 @@ torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor sc
 torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
                              c10::optional<torch::Tensor> bias);
+torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
+                              int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias);
+torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
+                                torch::Tensor tparams, int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias,
+                                c10::optional<torch::Tensor> rows);
 // amx.cpp: whether this binary has the AMX kernels and this process may run them.
 bool amx_available();
 

@@ -44,6 +44,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_gemm.h"     // amx_linear_bf16: many bf16 rows on AMX tiles
 #include "hf_aoq_cpu.h"
 #include "int4_pairs.h"   // quantize_rows16 (int16 activation codes), dequant_gemm.h
 #include "int4dq_rows.h"  // int4dq_decode: IntxDQTensor's row grid
@@ -106,6 +107,24 @@ struct IntxWeight {
   const uint8_t* gp = nullptr;
   const float* rows = nullptr;
   bool has_zero() const { return zero != nullptr || gp != nullptr; }
+  // Group j of row n's scale and zero (0 where there is none), as float32.
+  void group_params(int64_t n, int64_t j, float& s, float& z) const {
+    if (gp) {
+      const uint8_t p = gp[n * G + j];
+      const float* r = rows + n * 4;
+      s = r[0] + static_cast<float>(p & 15) * r[1];
+      z = r[2] + static_cast<float>(p >> 4) * r[3];
+      return;
+    }
+    const int64_t i = n * G + j;
+    const auto value = [&](const void* base) -> float {
+      if (dtype == torch::kFloat32) return static_cast<const float*>(base)[i];
+      if (dtype == torch::kBFloat16) return static_cast<float>(static_cast<const c10::BFloat16*>(base)[i]);
+      return static_cast<float>(static_cast<const c10::Half*>(base)[i]);
+    };
+    s = value(scale);
+    z = zero ? value(zero) : 0.f;
+  }
   // Row n's G scales and (where there are) zeros, as float32.
   void row_params(int64_t n, float* s, float* z) const {
     if (gp) {
@@ -195,6 +214,45 @@ struct IntxRows {
     }
   }
 };
+
+#if HF_AOQ_AMX
+// Panel writer for the AMX tile GEMM (amx_gemm.h, RowScalePanel's layout): weight rows
+// n0..n0+31, k in [k0, k1) as bf16 in steps of 32 k, out[((k - k0) / 32 * 32 + r) * 32 + k % 32];
+// each value (q - o) * s (+ z) in float32 as IntxRows computes it, then rounded to bf16. A step at
+// a time over the 32 rows, so that the stores fill each step's 2 KB in order. Groups are a
+// multiple of 16 columns (the halves of a step), K of 32.
+template <int B>
+struct IntxRowsPanel {
+  static constexpr bool kWeightRows = true;
+  using Elem = uint16_t;
+  const IntxWeight& w;
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
+    const uint8_t* qend = w.q + w.N * w.row_bytes;
+    const __m512 vo = _mm512_set1_ps(w.off);
+    const bool has_zero = w.has_zero();
+    for (int64_t k = k0; k < k1; k += 32) {
+      uint16_t* o = out + (k - k0) * 32;
+      const int64_t j0 = k / w.g, j1 = (k + 16) / w.g;
+      for (int r = 0; r < kAmxBlockN; ++r) {
+        const int64_t n = n0 + r;
+        const uint8_t* row = w.q + n * w.row_bytes;
+        __m512 v[2];
+        for (int h = 0; h < 2; ++h) {
+          float s, z;
+          w.group_params(n, h ? j1 : j0, s, z);
+          const int64_t kk = k + 16 * h;
+          const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(eight_codes<B>(row + kk / 8 * B, qend)),
+                                                   eight_codes<B>(row + (kk + 8) / 8 * B, qend), 1);
+          __m512 f = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes), vo), _mm512_set1_ps(s));
+          if (has_zero) f = _mm512_add_ps(f, _mm512_set1_ps(z));
+          v[h] = f;
+        }
+        _mm512_storeu_si512(o + r * 32, bf16_pack(v[0], v[1]));
+      }
+    }
+  }
+};
+#endif
 
 template <class F>
 void dispatch_bits(int64_t bits, F f) {
@@ -532,7 +590,46 @@ torch::Tensor dequantize(const IntxWeight& w, int64_t bits, int64_t k, torch::Sc
   return out;
 }
 
+// F.linear(x, w, bias) on AMX tiles (see intx_amx_linear).
+torch::Tensor amx_linear(const IntxWeight& w, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias,
+                         int64_t bits) {
+  check_amx_usable();
+  TORCH_CHECK(w.N % 32 == 0 && w.K % 32 == 0 && w.g % 16 == 0,
+              "the AMX kernel takes N and K multiples of 32 and groups of a multiple of 16, got ", w.N, " x ", w.K,
+              ", groups of ", w.g);
+  const torch::Tensor xa = amx_input(x, w.K), b = amx_bias(bias, w.N);
+  auto y = torch::empty({xa.size(0), w.N}, xa.options());
+#if HF_AOQ_AMX
+  dispatch_bits(bits, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), w.K, xa.size(0), w.N, w.K, 32,
+                    b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
+                    IntxRowsPanel<B>{w});
+  });
+#endif
+  return y;
+}
+
 }  // namespace
+
+// x: bfloat16 [M, k]; the IntxTensor weight's fields as for intx_linear_io, N and k multiples of
+// 32, groups of a multiple of 16. F.linear in bf16 on AMX tiles (amx_gemm.h), the weight written
+// 32 rows at a time as bf16 panels whose values are the reference's dequantize(bfloat16), bit for
+// bit. Returns bfloat16 [M, N].
+torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
+                              int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias) {
+  const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, x.size(-1));
+  return amx_linear(w, x, bias, bits);
+}
+
+// The same for IntxDQTensor's fields (as for intxdq_linear_io).
+torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
+                                torch::Tensor tparams, int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias,
+                                c10::optional<torch::Tensor> rows) {
+  torch::Tensor table;
+  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, rows, bits, group_size, x.size(-1), table);
+  return amx_linear(w, x, bias, bits);
+}
 
 // F.linear(x, IntxTensor weight, bias): x float32 / bfloat16 / float16 [..., k]; qdata uint8 [N,
 // ceil(k * bits / 8)] (the canonical bit streams); scale and zero (optional) [N, ceil(k /
