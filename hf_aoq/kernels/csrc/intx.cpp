@@ -475,14 +475,22 @@ void intx_gemv(const IntxWeight& w, const Acts& xa, int64_t M, float* y) {
 }
 #endif  // __AVX2__
 
-IntxWeight check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
-                        int64_t bits, int64_t group_size, int64_t k) {
+// The codes' fields both types share (bit streams of `bits`-bit codes, groups of group_size
+// along k): the weight's q, N, K, row_bytes, G and g, the rest left for the caller.
+IntxWeight check_codes(const torch::Tensor& qdata, int64_t bits, int64_t group_size, int64_t k) {
   TORCH_CHECK(bits >= 1 && bits <= 8, "bits: 1..8, got ", bits);
   TORCH_CHECK(k > 0 && group_size > 0, "k and group_size must be positive");
   const int64_t row_bytes = (k * bits + 7) / 8, G = (k + group_size - 1) / group_size;
   TORCH_CHECK(qdata.dtype() == torch::kUInt8 && qdata.dim() == 2 && qdata.size(1) == row_bytes && qdata.is_contiguous(),
               "qdata: contiguous uint8 [N, ", row_bytes, "], got ", qdata.dtype(), " ", qdata.sizes());
-  const int64_t N = qdata.size(0);
+  return IntxWeight{qdata.data_ptr<uint8_t>(), qdata.size(0), k, row_bytes, G, group_size, nullptr, nullptr,
+                    torch::kFloat32, float(1 << (bits - 1))};
+}
+
+IntxWeight check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, const c10::optional<torch::Tensor>& zero,
+                        int64_t bits, int64_t group_size, int64_t k) {
+  IntxWeight w = check_codes(qdata, bits, group_size, k);
+  const int64_t N = w.N, G = w.G;
   const auto st = scale.scalar_type();
   TORCH_CHECK(st == torch::kFloat32 || st == torch::kBFloat16 || st == torch::kFloat16,
               "scale: float32, bfloat16 or float16");
@@ -492,8 +500,10 @@ IntxWeight check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, 
   if (has_zero)
     TORCH_CHECK(zero->scalar_type() == st && zero->sizes() == scale.sizes() && zero->is_contiguous(),
                 "zero: contiguous, scale's shape and dtype");
-  return IntxWeight{qdata.data_ptr<uint8_t>(), N, k, row_bytes, G, group_size, scale.data_ptr(),
-                    has_zero ? zero->data_ptr() : nullptr, st, float(1 << (bits - 1))};
+  w.scale = scale.data_ptr();
+  w.zero = has_zero ? zero->data_ptr() : nullptr;
+  w.dtype = st;
+  return w;
 }
 
 // IntxDQTensor's fields; `table` receives the decoded row table (float32 [N, 4]): `rows` where
@@ -501,12 +511,9 @@ IntxWeight check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, 
 IntxWeight check_dq_weight(const torch::Tensor& qdata, const torch::Tensor& gparams, const torch::Tensor& rparams,
                            const torch::Tensor& tparams, const c10::optional<torch::Tensor>& rows, int64_t bits,
                            int64_t group_size, int64_t k, torch::Tensor& table) {
-  TORCH_CHECK(bits >= 1 && bits <= 8, "bits: 1..8, got ", bits);
-  TORCH_CHECK(k > 0 && group_size > 0, "k and group_size must be positive");
-  const int64_t row_bytes = (k * bits + 7) / 8, G = (k + group_size - 1) / group_size;
-  TORCH_CHECK(qdata.dtype() == torch::kUInt8 && qdata.dim() == 2 && qdata.size(1) == row_bytes && qdata.is_contiguous(),
-              "qdata: contiguous uint8 [N, ", row_bytes, "], got ", qdata.dtype(), " ", qdata.sizes());
-  const int64_t N = qdata.size(0);
+  IntxWeight w = check_codes(qdata, bits, group_size, k);
+  w.off = float((1 << bits) - 1) / 2.f;
+  const int64_t N = w.N, G = w.G;
   TORCH_CHECK(gparams.dtype() == torch::kUInt8 && gparams.dim() == 2 && gparams.size(0) == N && gparams.size(1) == G &&
                   gparams.is_contiguous(),
               "gparams: contiguous uint8 [", N, ", ", G, "], got ", gparams.dtype(), " ", gparams.sizes());
@@ -519,8 +526,6 @@ IntxWeight check_dq_weight(const torch::Tensor& qdata, const torch::Tensor& gpar
   } else {
     table = int4dq_decode(rparams, tparams);  // checks rparams and tparams
   }
-  IntxWeight w{qdata.data_ptr<uint8_t>(), N, k, row_bytes, G, group_size, nullptr, nullptr, torch::kFloat32,
-               float((1 << bits) - 1) / 2.f};
   w.gp = gparams.data_ptr<uint8_t>();
   w.rows = table.data_ptr<float>();
   return w;
