@@ -148,37 +148,51 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
     # Slicing and row gathers (F.embedding) work on the canonical fields: rows carry their own
     # row parameters; a slice along K must start on a group and end on one or at K.
     def select_rows(self, rows: torch.Tensor) -> "Int4DQTensor":
-        c = self.to_canonical()
-        return c.replace(
-            qdata=c.qdata.index_select(0, rows),
-            gparams=c.gparams.index_select(0, rows),
-            rparams=c.rparams.index_select(0, rows),
-            shape=(rows.numel(), c.shape[1]),
-        )
+        return select_grid_rows(self.to_canonical(), rows)
 
     def slice_fields(self, dim: int, start: int, end: int) -> "Int4DQTensor":
         """[start:end] of `dim`: of the experts (a 3-D tensor's dim 0, each with its own T_d and
         T_c), of the rows (each with its row parameters) or of K (on group boundaries)."""
-        c = self.to_canonical()
-        ndim = len(c.shape)
-        dim %= ndim
-        shape = list(c.shape)
-        shape[dim] = end - start
-        cut = (slice(None),) * dim + (slice(start, end),)
-        if dim < ndim - 1:
-            fields = {"qdata": c.qdata[cut], "gparams": c.gparams[cut], "rparams": c.rparams[cut]}
-            if dim < ndim - 2:  # experts: their per-tensor parameters too
-                fields["tparams"] = c.tparams[cut]
-            return c.replace(**fields, shape=tuple(shape))
-        g, k = c.group_size, c.shape[-1]
-        if start % g or (end % g and end != k) or end % 2:
-            raise AOQError(f"Int4DQTensor: slice [{start}:{end}] of dim {dim} must align with its groups of {g}")
-        return c.replace(
-            qdata=c.qdata[..., start // 2 : end // 2],
-            gparams=c.gparams[..., start // g : -(-end // g)],
-            shape=tuple(shape),
-            input_scale=None if c.input_scale is None else c.input_scale[start:end],
-        )
+        def columns(c, start, end):
+            if end % 2:  # two codes a byte
+                raise AOQError(f"Int4DQTensor: slice [{start}:{end}] of dim {dim} must align with its groups of "
+                               f"{c.group_size}")
+            return {"qdata": c.qdata[..., start // 2 : end // 2],
+                    "input_scale": None if c.input_scale is None else c.input_scale[start:end]}
+
+        return slice_grid_fields(self.to_canonical(), dim, start, end, columns)
+
+
+# Slicing and row gathers of the double-quantized types (Int4DQTensor, IntxDQTensor), on their
+# canonical fields: qdata, gparams and rparams hold a row each, tparams an expert each.
+def select_grid_rows(c, rows: torch.Tensor):
+    """The rows `rows` of a 2-D canonical tensor (F.embedding's gather)."""
+    return c.replace(
+        qdata=c.qdata.index_select(0, rows),
+        gparams=c.gparams.index_select(0, rows),
+        rparams=c.rparams.index_select(0, rows),
+        shape=(rows.numel(), c.shape[1]),
+    )
+
+
+def slice_grid_fields(c, dim: int, start: int, end: int, columns):
+    """[start:end] of `dim` of a canonical tensor: of the experts (their tparams too), of the rows,
+    or of K on group boundaries, where `columns(c, start, end)` gives the code fields' cut (and
+    may refuse it) and gparams are cut here."""
+    ndim = len(c.shape)
+    dim %= ndim
+    shape = list(c.shape)
+    shape[dim] = end - start
+    cut = (slice(None),) * dim + (slice(start, end),)
+    if dim < ndim - 1:
+        fields = {"qdata": c.qdata[cut], "gparams": c.gparams[cut], "rparams": c.rparams[cut]}
+        if dim < ndim - 2:  # experts: their per-tensor parameters too
+            fields["tparams"] = c.tparams[cut]
+        return c.replace(**fields, shape=tuple(shape))
+    g, k = c.group_size, c.shape[-1]
+    if start % g or (end % g and end != k):
+        raise AOQError(f"{type(c).__name__}: slice [{start}:{end}] of dim {dim} must align with its groups of {g}")
+    return c.replace(**columns(c, start, end), gparams=c.gparams[..., start // g : -(-end // g)], shape=tuple(shape))
 
 
 def _dmag(k: torch.Tensor, t_d: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,8 @@ from ..core.registry import register_tensor_type
 from ..kernels.search import group_codes
 from .common import BlockGridTensor, check_built, check_layout, check_weight
 from .experts import dequantize_experts, quantize_experts
-from .int4dq import GROUP_SIZES, _group_minmax, _padded_groups, _quantize_rows, decode_row_params, tensor_params
+from .int4dq import (GROUP_SIZES, _group_minmax, _padded_groups, _quantize_rows, decode_row_params, select_grid_rows,
+                     slice_grid_fields, tensor_params)
 from .intx import pack_intx, packed_width, unpack_intx
 
 BITS = (2, 3)
@@ -161,35 +162,15 @@ class IntxDQTensor(BlockGridTensor):
     # Rows carry their own row parameters; a slice along K must start on a group and end on one
     # or at K (the codes are unpacked, cut and packed again: a group need not start on a byte).
     def select_rows(self, rows: torch.Tensor) -> "IntxDQTensor":
-        return self.replace(
-            qdata=self.qdata.index_select(0, rows),
-            gparams=self.gparams.index_select(0, rows),
-            rparams=self.rparams.index_select(0, rows),
-            shape=(rows.numel(), self.shape[1]),
-        )
+        return select_grid_rows(self, rows)
 
     def slice_fields(self, dim: int, start: int, end: int) -> "IntxDQTensor":
         """[start:end] of `dim`: of the experts (each with its own T_d and T_c), of the rows
         (each with its row parameters) or of K (on group boundaries)."""
-        ndim = len(self.shape)
-        dim %= ndim
-        shape = list(self.shape)
-        shape[dim] = end - start
-        cut = (slice(None),) * dim + (slice(start, end),)
-        if dim < ndim - 1:
-            fields = {"qdata": self.qdata[cut], "gparams": self.gparams[cut], "rparams": self.rparams[cut]}
-            if dim < ndim - 2:  # experts: their per-tensor parameters too
-                fields["tparams"] = self.tparams[cut]
-            return self.replace(**fields, shape=tuple(shape))
-        g, k = self.group_size, self.shape[-1]
-        if start % g or (end % g and end != k):
-            raise AOQError(f"IntxDQTensor: slice [{start}:{end}] of dim {dim} must align with its groups of {g}")
-        codes = unpack_intx(self.qdata, self.bits, k)[..., start:end]
-        return self.replace(
-            qdata=pack_intx(codes, self.bits),
-            gparams=self.gparams[..., start // g : -(-end // g)],
-            shape=tuple(shape),
-        )
+        def columns(c, start, end):
+            return {"qdata": pack_intx(unpack_intx(c.qdata, c.bits, c.shape[-1])[..., start:end], c.bits)}
+
+        return slice_grid_fields(self, dim, start, end, columns)
 
 
 def from_codes(codes: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor, bits: int,
