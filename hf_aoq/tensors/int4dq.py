@@ -85,7 +85,7 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         if len(shape) not in (2, 3) or 0 in shape:
             raise AOQError(f"attribute 'shape': Int4DQTensor is a non-empty 2-D [N, K] weight or 3-D [E, N, K] "
                            f"experts, got {shape}")
-        lead, (n, k) = shape[:-2], shape[-2:]
+        lead, k = shape[:-2], shape[-1]
         if not fields["dtype"].is_floating_point or fields["dtype"].itemsize < 2:
             raise AOQError(f"attribute 'dtype': {fields['dtype']} is not a float dtype of 16 bits or more")
         ones = (1,) * (len(shape) - 1)
@@ -94,23 +94,8 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
             raise AOQError(f"attribute 'block_size': {block!r}, expected {want} with g in {GROUP_SIZES}")
         if k % 2:
             raise AOQError(f"attribute 'shape': last dimension of {shape} is not even")
-        groups = -(-k // block[-1])
-        expected = {
-            "qdata": (lead + (n, k // 2), torch.uint8),
-            "gparams": (lead + (n, groups), torch.uint8),
-            "rparams": (lead + (n, 4), torch.uint8),
-            "tparams": (lead + (2,), torch.float32),
-        }
-        for field, (want_shape, want_dtype) in expected.items():
-            t = fields[field]
-            if t.dtype != want_dtype or tuple(t.shape) != want_shape:
-                raise AOQError(
-                    f"field {field!r}: {t.dtype} {tuple(t.shape)}, expected {want_dtype} {want_shape} for shape {shape}"
-                )
+        check_grid_fields(fields, k // 2)
         check_input_scale(fields)
-        tp = fields["tparams"]
-        if tp.device.type != "meta" and not bool((torch.isfinite(tp) & (tp > 0)).all()):
-            raise AOQError(f"field 'tparams': {tp.tolist()}, expected two finite positive numbers")
 
     @property
     def group_size(self) -> int:
@@ -122,11 +107,7 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
 
     def group_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's scale d and centre c, float32 [N, G]."""
-        c = self.to_canonical()
-        dlo, dstep, clo, cstep = decode_row_params(c.rparams, c.tparams).unbind(1)
-        a = (c.gparams & 15).float()
-        b = (c.gparams >> 4).float()
-        return dlo[:, None] + a * dstep[:, None], clo[:, None] + b * cstep[:, None]
+        return group_grid(self.to_canonical())
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if len(self.shape) == 3:
@@ -163,8 +144,39 @@ class Int4DQTensor(DevicePacked, BlockGridTensor):
         return slice_grid_fields(self.to_canonical(), dim, start, end, columns)
 
 
-# Slicing and row gathers of the double-quantized types (Int4DQTensor, IntxDQTensor), on their
-# canonical fields: qdata, gparams and rparams hold a row each, tparams an expert each.
+# What the double-quantized types (Int4DQTensor, IntxDQTensor) share, on their canonical fields:
+# qdata, gparams and rparams hold a row each, tparams an expert each.
+def check_grid_fields(fields, qdata_width: int) -> None:
+    """The fields' shapes and dtypes for the `shape` attribute (qdata [..., N, qdata_width] uint8,
+    gparams [..., N, G] and rparams [..., N, 4] uint8, tparams [..., 2] float32) and tparams' values
+    (finite, positive); AOQError naming the field otherwise."""
+    shape = tuple(fields["shape"])
+    lead, n, k = shape[:-2], shape[-2], shape[-1]
+    expected = {
+        "qdata": (lead + (n, qdata_width), torch.uint8),
+        "gparams": (lead + (n, -(-k // fields["block_size"][-1])), torch.uint8),
+        "rparams": (lead + (n, 4), torch.uint8),
+        "tparams": (lead + (2,), torch.float32),
+    }
+    for field, (want_shape, want_dtype) in expected.items():
+        t = fields[field]
+        if t.dtype != want_dtype or tuple(t.shape) != want_shape:
+            raise AOQError(
+                f"field {field!r}: {t.dtype} {tuple(t.shape)}, expected {want_dtype} {want_shape} for shape {shape}"
+            )
+    tp = fields["tparams"]
+    if tp.device.type != "meta" and not bool((torch.isfinite(tp) & (tp > 0)).all()):
+        raise AOQError(f"field 'tparams': {tp.tolist()}, expected two finite positive numbers")
+
+
+def group_grid(c) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's scale d and centre c of a 2-D canonical tensor, float32 [N, G]."""
+    dlo, dstep, clo, cstep = decode_row_params(c.rparams, c.tparams).unbind(1)
+    a = (c.gparams & 15).float()
+    b = (c.gparams >> 4).float()
+    return dlo[:, None] + a * dstep[:, None], clo[:, None] + b * cstep[:, None]
+
+
 def select_grid_rows(c, rows: torch.Tensor):
     """The rows `rows` of a 2-D canonical tensor (F.embedding's gather)."""
     return c.replace(

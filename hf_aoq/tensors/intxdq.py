@@ -32,8 +32,8 @@ from ..core.registry import register_tensor_type
 from ..kernels.search import group_codes
 from .common import BlockGridTensor, check_built, check_layout, check_weight
 from .experts import dequantize_experts, quantize_experts
-from .int4dq import (GROUP_SIZES, _group_minmax, _padded_groups, _quantize_rows, decode_row_params, select_grid_rows,
-                     slice_grid_fields, tensor_params)
+from .int4dq import (GROUP_SIZES, _group_minmax, _padded_groups, _quantize_rows, check_grid_fields, group_grid,
+                     select_grid_rows, slice_grid_fields, tensor_params)
 from .intx import pack_intx, packed_width, unpack_intx
 
 BITS = (2, 3)
@@ -112,23 +112,7 @@ class IntxDQTensor(BlockGridTensor):
         shape = tuple(fields["shape"])
         if not fields["dtype"].is_floating_point or fields["dtype"].itemsize < 2:
             raise AOQError(f"attribute 'dtype': {fields['dtype']} is not a float dtype of 16 bits or more")
-        lead, (n, k) = shape[:-2], shape[-2:]
-        groups = -(-k // fields["block_size"][-1])
-        expected = {
-            "qdata": (lead + (n, packed_width(k, bits)), torch.uint8),
-            "gparams": (lead + (n, groups), torch.uint8),
-            "rparams": (lead + (n, 4), torch.uint8),
-            "tparams": (lead + (2,), torch.float32),
-        }
-        for field, (want_shape, want_dtype) in expected.items():
-            t = fields[field]
-            if t.dtype != want_dtype or tuple(t.shape) != want_shape:
-                raise AOQError(
-                    f"field {field!r}: {t.dtype} {tuple(t.shape)}, expected {want_dtype} {want_shape} for shape {shape}"
-                )
-        tp = fields["tparams"]
-        if tp.device.type != "meta" and not bool((torch.isfinite(tp) & (tp > 0)).all()):
-            raise AOQError(f"field 'tparams': {tp.tolist()}, expected two finite positive numbers")
+        check_grid_fields(fields, packed_width(shape[-1], bits))
 
     @property
     def group_size(self) -> int:
@@ -140,10 +124,7 @@ class IntxDQTensor(BlockGridTensor):
 
     def group_grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's scale d and centre c, float32 [N, G]."""
-        dlo, dstep, clo, cstep = decode_row_params(self.rparams, self.tparams).unbind(1)
-        a = (self.gparams & 15).float()
-        b = (self.gparams >> 4).float()
-        return dlo[:, None] + a * dstep[:, None], clo[:, None] + b * cstep[:, None]
+        return group_grid(self)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if len(self.shape) == 3:
