@@ -158,10 +158,10 @@ struct Int8Lanes {
   }
 };
 
-// Row m of x (float32, bf16 or fp16; K a multiple of 16) as symmetric int8 codes and its scale,
-// bit for bit as common.quantize_int8_per_token computes them in float32: s = max(max|x| / 127,
-// 1e-12), code = round(x / s) (a true division, ties to even), clamped to [-127, 127]. A row with
-// a NaN gets a NaN scale (and so NaN outputs), one with an infinity an infinite one, as there.
+// Row m of x (float32, bf16 or fp16; K a multiple of 16) as symmetric int8 codes and its scale:
+// int8_per_token.h's rule (common.quantize_int8_per_token's) in AVX-512 lanes, bit for bit. A
+// row with a NaN gets a NaN scale (and so NaN outputs), one with an infinity an infinite one, as
+// there.
 template <typename T>
 inline __m512 int8dyn_load(const T* p) {
   if constexpr (std::is_same_v<T, float>)

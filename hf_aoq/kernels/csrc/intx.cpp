@@ -48,6 +48,7 @@
 #include "hf_aoq_cpu.h"
 #include "int4_pairs.h"   // quantize_rows16 (int16 activation codes), dequant_gemm.h
 #include "int4dq_rows.h"  // int4dq_decode: IntxDQTensor's row grid
+#include "int8_per_token.h"  // Int8Tensor's activation codes
 #include "intx_decode.h"  // Layout, Spread, block_dots: the decoding in registers
 #include "simd.h"
 
@@ -283,20 +284,12 @@ inline bool small_group(int64_t g) { return g == 32 || g == 64 || g == 128 || g 
 inline int64_t sub_group(int64_t g) { return small_group(g) ? g : 256; }
 inline bool gemv_supports(int64_t g, int64_t K) { return small_group(g) || g % 256 == 0 || g >= K; }
 
-// Int8Tensor's per-token activation codes of one row (kernels/common.py's
-// quantize_int8_per_token, the same float32 operations): scale = max(amax / 127, 1e-12), code =
-// clamp(round(x / scale), -127, 127) into c[0..K). Returns the scale (NaN for a row holding NaN,
-// whose codes are then 0).
+// Int8Tensor's per-token activation codes of one row (int8_per_token.h) into c[0..K). Returns the
+// scale (NaN for a row holding NaN, whose codes are then 0).
 inline float int8_codes(const float* x, int64_t K, int16_t* c) {
-  float amax = 0.f;
-  bool nan = false;
-  for (int64_t k = 0; k < K; ++k) {
-    amax = std::max(amax, std::fabs(x[k]));
-    nan = nan || std::isnan(x[k]);
-  }
-  if (nan) return std::numeric_limits<float>::quiet_NaN();
-  const float scale = std::max(amax / 127.f, 1e-12f);
-  for (int64_t k = 0; k < K; ++k) c[k] = static_cast<int16_t>(std::min(std::max(std::nearbyint(x[k] / scale), -127.f), 127.f));
+  const float scale = int8_row_scale(x, K);
+  if (std::isnan(scale)) return scale;
+  for (int64_t k = 0; k < K; ++k) c[k] = static_cast<int16_t>(int8_code(x[k], scale));
   return scale;
 }
 

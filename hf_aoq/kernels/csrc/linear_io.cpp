@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "hf_aoq_cpu.h"
+#include "int8_per_token.h"
 
 namespace {
 
@@ -137,15 +138,9 @@ torch::Tensor int8dyn_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor 
       for (int64_t m = 0; m < M; ++m) {
         const float* r = x2.data_ptr<float>() + m * k;
         float* o = xq.data_ptr<float>() + m * k;
-        float amax = 0.f;
-        bool nan = false;
+        const float sc = int8_row_scale(r, k);
         for (int64_t i = 0; i < k; ++i) {
-          amax = std::max(amax, std::fabs(r[i]));
-          nan |= std::isnan(r[i]);
-        }
-        const float sc = nan ? std::numeric_limits<float>::quiet_NaN() : std::max(amax / 127.f, 1e-12f);
-        for (int64_t i = 0; i < k; ++i) {
-          const float c = std::min(std::max(std::nearbyint(r[i] / sc), -127.f), 127.f);
+          const float c = int8_code(r[i], sc);
           // The reference's codes are int8: a NaN code (a NaN row's) becomes some integer there,
           // and times the NaN scale a NaN either way.
           o[i] = to_float(static_cast<T>((std::isnan(c) ? 0.f : c) * sc));
