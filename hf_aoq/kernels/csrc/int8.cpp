@@ -13,6 +13,7 @@
 
 #include "amx_gemm.h"
 #include "dequant_gemm.h"
+#include "float_dtypes.h"
 #include "hf_aoq_cpu.h"
 #include "simd.h"
 
@@ -138,14 +139,28 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   return y;
 }
 
-// The weight [N, K] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
-// for aten's GEMM in that dtype at many rows. scale: [N] or [N, 1], any float dtype.
-torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, torch::ScalarType dtype) {
+namespace {
+// An int8 weight as the dequantizing and AMX entries take it: q int8 [N, K] contiguous, its
+// scale ([N] or [N, 1], any float dtype) as contiguous float32 [N].
+struct Int8Weight {
+  const int8_t* q;
+  int64_t N, K;
+  torch::Tensor scale;
+};
+
+Int8Weight check_int8_weight(const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "q: contiguous int8 [N, K]");
   const auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
   TORCH_CHECK(s.numel() == q.size(0), "scale: one value per row");
-  const int64_t N = q.size(0), K = q.size(1);
-  return dequant_weight(N, K, K, 1, /*transposed=*/false, dtype, Int8Rows{q.data_ptr<int8_t>(), s.data_ptr<float>(), K});
+  return Int8Weight{q.data_ptr<int8_t>(), q.size(0), q.size(1), s};
+}
+}  // namespace
+
+// The weight [N, K] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
+// for aten's GEMM in that dtype at many rows. scale: [N] or [N, 1], any float dtype.
+torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, torch::ScalarType dtype) {
+  const Int8Weight w = check_int8_weight(q, scale);
+  return dequant_weight(w.N, w.K, w.K, 1, /*transposed=*/false, dtype, Int8Rows{w.q, w.scale.data_ptr<float>(), w.K});
 }
 
 #if HF_AOQ_AMX
@@ -248,14 +263,13 @@ struct Int8DynOut {
 // float32; this is nearer the exact product of the codes. Returns [M, N] in x's dtype.
 torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   check_amx_usable();
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "q: contiguous int8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1);
+  const Int8Weight w = check_int8_weight(q, scale);
+  const int64_t N = w.N, K = w.K;
+  const torch::Tensor& s = w.scale;
   TORCH_CHECK(N % 32 == 0 && K % 64 == 0, "the int8 AMX kernel takes N a multiple of 32 and K of 64, got ", N, " x ", K);
-  const auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
-  TORCH_CHECK(s.numel() == N, "scale: one value per row");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.stride(1) == 1, "x: [M, ", K, "] with contiguous rows");
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kHalf, "x: float32, bfloat16 or float16");
+  dispatch_float(dt, [](auto) {});  // refuses other dtypes before any work
   const torch::Tensor b = amx_bias(bias, N);
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
@@ -263,19 +277,13 @@ torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
   std::vector<int8_t> codes(M * K);
   std::vector<float> xs(M);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const auto run = [&](auto tag) {
+  dispatch_float(dt, [&](auto tag) {
     using T = decltype(tag);
     int8dyn_quantize_rows(reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), M, K, codes.data(), xs.data());
     amx_linear_tiles<1>(reinterpret_cast<const uint8_t*>(codes.data()), K, M, N, K, 64,
                         Int8RowsPanel{q.data_ptr<int8_t>(), K},
                         Int8DynOut<T>{xs.data(), s.data_ptr<float>(), bp, reinterpret_cast<T*>(y.data_ptr()), N});
-  };
-  if (dt == torch::kFloat32)
-    run(float{});
-  else if (dt == torch::kBFloat16)
-    run(at::BFloat16{});
-  else
-    run(at::Half{});
+  });
 #endif
   return y;
 }
@@ -286,11 +294,10 @@ torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
 // bfloat16 [M, N].
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   check_amx_usable();
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "q: contiguous int8 [N, K]");
-  const int64_t N = q.size(0), K = q.size(1);
+  const Int8Weight w = check_int8_weight(q, scale);
+  const int64_t N = w.N, K = w.K;
+  const torch::Tensor& s = w.scale;
   TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and K multiples of 32, got ", N, " x ", K);
-  const auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
-  TORCH_CHECK(s.numel() == N, "scale: one value per row");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [M, ", K, "]");
   const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
   auto y = torch::empty({xa.size(0), N}, xa.options());

@@ -11,6 +11,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "float_dtypes.h"
 #include "hf_aoq_cpu.h"
 #include "int8_per_token.h"
 
@@ -38,16 +39,6 @@ template <typename T>
 void narrow_rows(const float* y, const float* bias, T* out, int64_t M, int64_t n) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < n; ++j) out[m * n + j] = static_cast<T>(bias ? y[m * n + j] + bias[j] : y[m * n + j]);
-}
-
-template <class F>
-void dispatch_float(torch::ScalarType t, F f) {
-  switch (t) {
-    case torch::kFloat32: f(float()); break;
-    case torch::kBFloat16: f(c10::BFloat16()); break;
-    case torch::kFloat16: f(c10::Half()); break;
-    default: TORCH_CHECK(false, "x: float32, bfloat16 or float16");
-  }
 }
 
 // x of any float dtype and shape [..., k] becomes float32 [M, padded_k] (zero columns past k),

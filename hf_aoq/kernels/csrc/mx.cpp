@@ -26,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "float_dtypes.h"
 #include "hf_aoq_cpu.h"
 #include "mx_common.h"
 
@@ -152,16 +153,6 @@ void mx_gemv(const float* xp, int64_t ld, int64_t M, const uint8_t* q, const uin
   });
 }
 
-template <class F>
-void mx_dispatch_float(torch::ScalarType t, F f) {
-  switch (t) {
-    case torch::kFloat32: f(float()); break;
-    case torch::kBFloat16: f(c10::BFloat16()); break;
-    case torch::kFloat16: f(c10::Half()); break;
-    default: TORCH_CHECK(false, "x: float32, bfloat16 or float16");
-  }
-}
-
 }  // namespace
 
 // F.linear(x, MX weight, bias): x float32 / bfloat16 / float16 [..., k]; qdata [N, k/2] uint8
@@ -186,7 +177,7 @@ torch::Tensor mx_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor s
     fake = torch::empty({M, k}, x2.options());
     const MxElem e = mx_elem(act_kind);
     float* fp = fake.data_ptr<float>();
-    mx_dispatch_float(x.scalar_type(), [&](auto tag) {
+    dispatch_float(x.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
       MxDenormalsKept keep;
       for (int64_t m = 0; m < M; ++m) mx_fake_quantize_row<T>(xs + m * k, k, e, fp + m * k);
