@@ -25,10 +25,9 @@ from typing import Optional
 
 import torch
 
-from . import cpu_ext, cpu_isa
+from . import cpu_ext, cpu_intx, cpu_isa
 from .common import FLOATS
 from .common import rows as _rows
-from . import cpu_intx
 from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features, _per_row
 from .registry import capability, opaque_op, register_kernel
 

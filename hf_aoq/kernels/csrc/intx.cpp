@@ -129,12 +129,7 @@ struct IntxWeight {
   // Row n's G scales and (where there are) zeros, as float32.
   void row_params(int64_t n, float* s, float* z) const {
     if (gp) {
-      const uint8_t* p = gp + n * G;
-      const float* r = rows + n * 4;
-      for (int64_t j = 0; j < G; ++j) {
-        s[j] = r[0] + static_cast<float>(p[j] & 15) * r[1];
-        z[j] = r[2] + static_cast<float>(p[j] >> 4) * r[3];
-      }
+      for (int64_t j = 0; j < G; ++j) group_params(n, j, s[j], z[j]);
       return;
     }
     const int64_t esz = dtype == torch::kFloat32 ? 4 : 2;
