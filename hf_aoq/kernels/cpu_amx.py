@@ -47,12 +47,17 @@ AMX_INT8 = capability("cpu:amx_int8_kernels", "cpu", lambda device: cpu_isa.amx_
 # (same run as above, tile / streaming kernel, both shapes): int4 g128 0.67/0.76 against 0.54/0.61
 # at 12 rows, 0.63/0.62 against 0.80/0.77 at 16; Int4DQ g32 0.70/0.77 against 0.55/0.59 at 8,
 # 0.82/0.73 against 0.84/0.92 at 12; int8 0.87/0.77 against 0.85/0.91 at 8, 0.90/0.81 against
-# 1.06/1.19 at 12; float8 0.95/0.74 against 1.00/1.03 at 8.
+# 1.06/1.19 at 12; float8 0.95/0.74 against 1.00/1.03 at 8. Int8 and float8 again after the
+# panel writer's prefetch of the next block's rows (RowScalePanel), same machine, 2048x5632 /
+# 5632x2048, ms: int8 tiles 0.92/0.87 against the GEMV's 0.85/0.79 at 6 rows, 0.94/0.88 against
+# 1.44/1.15 at 7 (past one register tile of activation rows, simd.h kTileRows = 6, the GEMV
+# widens each chunk into a buffer and slows by half); float8 3.59/3.53 against 3.16/3.15 at 6 and
+# 3.82/3.65 at 7 (random codes, many of them subnormal). Both from 7 rows.
 # Intx (3-bit asymmetric codes in groups of 32) and IntxDQ (3-bit, groups of 32) against
 # cpu_intx.py's GEMV, 5632x2048, 2 threads, best of 15, ms (tiles / GEMV): Intx 1.53 / 1.29 at 8
 # rows, 1.50 / 2.26 at 12; IntxDQ 1.82 / 1.56 at 12, 1.79 / 2.61 at 16; at 128 rows IntxDQ 2.87
 # against 4.24 for dequantize + aten's AMX GEMM (cpu_intx.py's bf16 GEMM row), dense bf16 1.63.
-MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 10, "fp8": 8, "intx": 12, "intxdq": 16}
+MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 12, "intxdq": 16}
 # Int8 weights with dynamic int8 activations on the int8 tiles (cpu_int8dyn_amx) against cpu.py's
 # GEMV on the activations fake-quantized in the same C++ call (cpu_int8_ext; weights from DRAM, 64
 # copies cycled, same machine, 2048x5632 / 5632x2048, tiles / GEMV): 1.39 / 1.06 at 1 row, 1.04 /
