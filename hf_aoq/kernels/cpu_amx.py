@@ -51,8 +51,9 @@ AMX_INT8 = capability("cpu:amx_int8_kernels", "cpu", lambda device: cpu_isa.amx_
 # panel writer's prefetch of the next block's rows (RowScalePanel), same machine, 2048x5632 /
 # 5632x2048, ms: int8 tiles 0.92/0.87 against the GEMV's 0.85/0.79 at 6 rows, 0.94/0.88 against
 # 1.44/1.15 at 7 (past one register tile of activation rows, simd.h kTileRows = 6, the GEMV
-# widens each chunk into a buffer and slows by half); float8 3.59/3.53 against 3.16/3.15 at 6 and
-# 3.82/3.65 at 7 (random codes, many of them subnormal). Both from 7 rows.
+# widens each chunk into a buffer and slows by half); float8 tiles 3.59/3.53 at 6 and 7 rows
+# against the GEMV's 3.16/3.15 at 6 and 3.82/3.65 at 7 (random codes, many of them subnormal, so
+# slow in absolute terms). Both from 7 rows.
 # Intx (3-bit asymmetric codes in groups of 32) and IntxDQ (3-bit, groups of 32) against
 # cpu_intx.py's GEMV, 5632x2048, 2 threads, best of 15, ms (tiles / GEMV): Intx 1.53 / 1.29 at 8
 # rows, 1.50 / 2.26 at 12; IntxDQ 1.82 / 1.56 at 12, 1.79 / 2.61 at 16; at 128 rows IntxDQ 2.87
