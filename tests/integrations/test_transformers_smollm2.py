@@ -31,7 +31,7 @@ from hf_aoq import (
     IntxDQTensor,
     IntxDQWeightOnlyConfig,
 )
-from hf_aoq import smollm2
+from hf_aoq import kernels, smollm2
 from hf_aoq.calibration import quantize_with_calibration
 from hf_aoq.perplexity import windows
 
@@ -185,22 +185,29 @@ def test_int4dq_with_act_order_gptq_loses_less_than_rounding(checkpoint):
     assert calibrated <= baseline * 1.04  # the ceiling on the slice
 
 
-def test_int3_dq_with_act_order_gptq(checkpoint):
+def test_int3_dq_with_act_order_gptq(checkpoint, monkeypatch):
     """IntxDQ int3 g32 (3-bit codes on Int4DQ's group grid, 3.30 bits per weight) with GPTQ in
-    act order on 1,024 other tokens, against plain rounding. Measured on this slice (Xeon, torch
-    2.13, bf16 25.45): rounded 97.93 / 97.76 and + GPTQ 43.16 / 48.74, on the reference kernel /
-    on hf_aoq's C++ kernels (which agree with the reference to 3e-5 of the output's norm at these
-    rows, 1 bf16 ulp at few rows): GPTQ at 3 bits on 1,024 tokens follows the last bits of the
-    inputs it is given, so the ceiling leaves room for that spread. IntxTensor's asymmetric int3
-    g64 (3.5 bits) with the same GPTQ measured 55.34. Issue 21's protocol (scripts/eval_quality.py,
-    GPTQ on 4,096 tokens): 49.62 against rounding's 99.58 and int3-asym g64's 52.58 (bf16 30.98)."""
+    act order on 1,024 other tokens, against plain rounding. GPTQ at 3 bits on 1,024 tokens follows
+    the last bits of the inputs it is given (calibrated through hf_aoq's C++ kernels, which agree
+    with the reference to 3e-5 of the output's norm, the slice measured 48.74 instead of 43.16),
+    so the calibration runs on the reference kernel, the same on every machine, and the C++
+    kernels are then held to the reference on the calibrated weights. Measured on this slice
+    (Xeon, torch 2.13): bf16 25.45, rounded 97.76, + GPTQ 44.30 (44.29 through the C++ kernels);
+    IntxTensor's asymmetric int3 g64 (3.5 bits) with GPTQ measured 55.34. Issue 21's protocol
+    (scripts/eval_quality.py, GPTQ on 4,096 tokens): 49.62 against rounding's 99.58 and
+    int3-asym g64's 52.58 (bf16 30.98)."""
     path, ids, baseline = checkpoint
     rounded = perplexity(load_quantized(path, IntxDQWeightOnlyConfig(3, 32)), ids)
     model, calibration = float_model_and_calibration(path)
+    fast_select = kernels.select_kernel
+    monkeypatch.setattr(kernels, "select_kernel", lambda op, x, w: kernels.kernels_for(op, type(w).__name__)[-1])
     report = quantize_with_calibration(model, IntxDQWeightOnlyConfig(3, 32), calibration, filter_fn=linears)
     assert len(report.calibrated) == 30 * 7
     assert isinstance(model.model.layers[3].mlp.down_proj.weight, IntxDQTensor)
     calibrated = perplexity(model, ids)
-    print(f"bf16 {baseline:.2f}, int3-dq rounded {rounded:.2f}, + GPTQ {calibrated:.2f}")
+    monkeypatch.setattr(kernels, "select_kernel", fast_select)
+    fast = perplexity(model, ids)
+    print(f"bf16 {baseline:.2f}, int3-dq rounded {rounded:.2f}, + GPTQ {calibrated:.2f} (C++ kernels {fast:.2f})")
     assert calibrated < 0.6 * rounded
-    assert calibrated <= baseline * 2.1  # the ceiling on the slice
+    assert calibrated <= baseline * 1.8  # the ceiling on the slice
+    assert fast == pytest.approx(calibrated, rel=0.01)
