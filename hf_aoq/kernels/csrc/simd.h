@@ -54,8 +54,8 @@ inline float vsum(vfloat v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
 // ahead in the same row, was measured against this one on that VM, int8 [5632, 2048] weights
 // cycled from DRAM at batch 1: 16.8-18.3 against 19.5-21.4 GB/s through the module (five runs
 // each, alternated); 19.0 against 21.5-21.9 GB/s in a standalone C++ loop (and 15.7 without
-// prefetch; docs/performance.md has the variants tried beside it). A prefetch never faults (the last block's reach past the tensor's end touches
-// nothing it needs) and changes no value.
+// prefetch; docs/performance.md has the variants tried beside it). A prefetch never faults (the
+// last block's reach past the tensor's end touches nothing it needs) and changes no value.
 
 // Weight rows per `dot_rows` call in the batch-1 GEMVs: eight on AVX-512 (one zmm accumulator a
 // row, of 32 registers); four on AVX2, whose 16 registers eight rows' two-register accumulators
