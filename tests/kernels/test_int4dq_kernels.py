@@ -138,6 +138,28 @@ def test_row_params_decode_random_fields(n, k, g):
     assert torch.equal(got, ref_row_params(rparams, tparams))
 
 
+@pytest.mark.parametrize("n", [1, 37, 64, 100, 256, 300, 528])
+def test_row_table_at_every_row_count(n):
+    """The vector decode's whole steps (16 rows on AVX-512, 8 on AVX2), its scalar tail and the
+    256-row chunks of the [N, 4] form; the kernels' [8, N] table: the same rows, then in each whole
+    64 rows the 512-bit step's lane order (row r at (r % 32) // 8 * 16 + r // 32 * 8 + r % 8),
+    the rows past them in order. Every value against the reference, bit for bit."""
+    torch.manual_seed(n)
+    rparams = torch.randint(0, 256, (n, 4), dtype=torch.uint8)
+    tparams = torch.tensor([0.0371, 2.9e-3])
+    expected = ref_row_params(rparams, tparams)
+    ext = cpu_ext.load()
+    assert torch.equal(ext.int4dq_row_params(rparams, tparams), expected)
+    table = ext.int4dq_cpu_rows(rparams, tparams)
+    assert table.shape == (8, n) and torch.equal(table[:4], expected.t())
+    n64 = n // 64 * 64
+    lane = [b + (r % 32) // 8 * 16 + r // 32 * 8 + r % 8 for b in range(0, n64, 64) for r in range(64)]
+    at = torch.tensor(lane + list(range(n64, n)), dtype=torch.long)
+    in_lane_order = torch.empty_like(expected.t())
+    in_lane_order[:, at] = expected.t()
+    assert torch.equal(table[4:], in_lane_order)
+
+
 @pytest.mark.parametrize("n,k,g", SHAPES)
 def test_many_rows_path_dequantizes_exactly(n, k, g):
     """Fed the identity, the many-rows path returns its float32 dequantized weight: bit for bit
