@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.tensor import DERIVED_CACHE  # imported here, not per call: the import cost 1 us a call
+
 # The group sizes of Int4Tensor: what every int4 kernel takes (aten's CPU int4 and tinygemm, and
 # hf_aoq's pairs layout), so that every int4 weight has a fast kernel. The one definition;
 # tensors/int4.py and the backends import it.
@@ -23,8 +25,6 @@ def derived(w, name: str, make):
     kernel derives from the fields and would otherwise redo on every call (Int4DQ's decoded row
     table). Setting any field drops it, and pickling and deepcopy leave it out
     (core.tensor.DERIVED_CACHE). Not to be called while torch.compile traces."""
-    from ..core.tensor import DERIVED_CACHE
-
     cache = w.__dict__.get(DERIVED_CACHE)
     if cache is None:
         cache = w.__dict__[DERIVED_CACHE] = {}
