@@ -31,12 +31,22 @@ namespace {
 // lookups as permutes or gathers, so every build decodes every code to the same bits. On the
 // Xeon the scalar loop and the table's copies took 7-11 ns a row, 3.7 ms of a compiled 22-layer
 // TinyLlama decode token (which decodes inside the op on every call); now 1.2-1.5 ns.
+// The grid's constant tables, made once: LUT[j] and 2^-e for e = 0..7 (multiplying by it is exact,
+// as ldexp is, and much cheaper per row), padded to 16 for the vector permute.
+struct RowGridTables {
+  alignas(64) float lut[32];
+  alignas(64) float pow2[16] = {};
+  RowGridTables() {
+    for (int j = 0; j < 32; ++j) lut[j] = static_cast<float>(std::exp2(-j / 32.0));
+    for (int e = 0; e < 8; ++e) pow2[e] = std::ldexp(1.f, -e);
+  }
+};
+
 void int4dq_decode_planar(const uint8_t* rp, float td, float tc, int64_t N, float* __restrict dlo,
                           float* __restrict dstep, float* __restrict clo, float* __restrict cstep) {
-  alignas(64) float lut[32], pow2[16] = {};
-  for (int j = 0; j < 32; ++j) lut[j] = static_cast<float>(std::exp2(-j / 32.0));
-  // 2^-e for e = 0..7: multiplying by it is exact, as ldexp is, and much cheaper per row.
-  for (int e = 0; e < 8; ++e) pow2[e] = std::ldexp(1.f, -e);
+  static const RowGridTables tables;
+  const float* lut = tables.lut;
+  const float* pow2 = tables.pow2;
   int64_t n = 0;
 #if defined(__AVX512F__)
   {
@@ -116,6 +126,17 @@ void int4dq_decode_planar(const uint8_t* rp, float td, float tc, int64_t N, floa
   }
 }
 
+// rparams (uint8 [N, 4]) and tparams (float32 [2]) checked and made contiguous: the decode's inputs.
+struct RowFields {
+  torch::Tensor rp, tp;
+};
+RowFields row_fields(const torch::Tensor& rparams, const torch::Tensor& tparams) {
+  TORCH_CHECK(rparams.dtype() == torch::kUInt8 && rparams.dim() == 2 && rparams.size(1) == 4,
+              "rparams: uint8 [N, 4]");
+  TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.numel() == 2, "tparams: float32 [2]");
+  return {rparams.contiguous(), tparams.contiguous()};
+}
+
 // The int4 kernels' parameter provider for Int4DQTensor: d and c of rows [n0, n0 + rows) in
 // group g from gparams_t [G, N] (one group's bytes contiguous over rows) and the decoded rows,
 // held as four arrays (dlo, dstep, clo, cstep) so that the loop over rows vectorizes.
@@ -180,15 +201,11 @@ struct DQParams {
 
 // See int4dq_rows.h.
 torch::Tensor int4dq_decode(const torch::Tensor& rparams, const torch::Tensor& tparams) {
-  TORCH_CHECK(rparams.dtype() == torch::kUInt8 && rparams.dim() == 2 && rparams.size(1) == 4,
-              "rparams: uint8 [N, 4]");
-  TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.numel() == 2, "tparams: float32 [2]");
-  auto rp = rparams.contiguous();
-  auto tp = tparams.contiguous();
-  const int64_t N = rp.size(0);
-  auto out = torch::empty({N, 4}, tp.options());
-  const float* t = tp.data_ptr<float>();
-  const uint8_t* r = rp.data_ptr<uint8_t>();
+  const RowFields in = row_fields(rparams, tparams);
+  const int64_t N = in.rp.size(0);
+  auto out = torch::empty({N, 4}, in.tp.options());
+  const float* t = in.tp.data_ptr<float>();
+  const uint8_t* r = in.rp.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   constexpr int64_t kChunk = 256;  // decoded planar on the stack, then interleaved by row
   float f[4][kChunk];
@@ -206,16 +223,12 @@ namespace {
 // The decoded row parameters the kernels read, float32 [8, N]: dlo, dstep, clo, cstep by row, then
 // the same in the 64-row lane order (rows past the last whole 64 in order).
 torch::Tensor dq_row_table(const torch::Tensor& rparams, const torch::Tensor& tparams) {
-  TORCH_CHECK(rparams.dtype() == torch::kUInt8 && rparams.dim() == 2 && rparams.size(1) == 4,
-              "rparams: uint8 [N, 4]");
-  TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.numel() == 2, "tparams: float32 [2]");
-  auto rp = rparams.contiguous();
-  auto tp = tparams.contiguous();
-  const int64_t N = rp.size(0);
-  auto rows = torch::empty({8, N}, tp.options());
+  const RowFields in = row_fields(rparams, tparams);
+  const int64_t N = in.rp.size(0);
+  auto rows = torch::empty({8, N}, in.tp.options());
   float* o = rows.data_ptr<float>();
-  const float* t = tp.data_ptr<float>();
-  int4dq_decode_planar(rp.data_ptr<uint8_t>(), t[0], t[1], N, o, o + N, o + 2 * N, o + 3 * N);
+  const float* t = in.tp.data_ptr<float>();
+  int4dq_decode_planar(in.rp.data_ptr<uint8_t>(), t[0], t[1], N, o, o + N, o + 2 * N, o + 3 * N);
   // The lane-order copy: rows 8u..8u+7 of a 64-row step stay together (int4_lane64).
   const int64_t n64 = N / 64 * 64;
   for (int f = 0; f < 4; ++f) {
