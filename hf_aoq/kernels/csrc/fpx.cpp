@@ -93,11 +93,6 @@ struct FpxWeight {
 };
 
 #if defined(__AVX2__)
-#if defined(__AVX512F__)
-inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
-#else
-inline vfloat vadd(vfloat a, vfloat b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-#endif
 
 // The 16 codes whose 2B bytes start at p, as float32 values (reads kRead bytes from p).
 template <int B>

@@ -342,24 +342,32 @@ Acts make_acts(const float* x, int64_t M, int64_t K, int64_t a, int64_t block, b
 
 #if defined(__AVX2__)
 
+// Software prefetch in the GEMV: each block asks for the bytes kPrefetchAhead further on in the
+// weight (the rows a thread reads are consecutive). The L2's own prefetcher restarts at every 4 KB
+// page, about five rows of a 2048-column 3-bit weight.
+constexpr int64_t kPrefetchAhead = 2048;
+
 // Dot products of weight row `row` with MB activation rows (codes xp[i], per-sub-group scales
-// t[i] = s * sx), as float32 vector sums in `out` (before the zero term).
+// t[i] = s * sx), as float32 vector sums from init[i] (the zero term's lanes), summed into out[i].
+// Where a block holds several sub-groups, alternate blocks add into two accumulators, so that
+// consecutive blocks' multiply-adds do not wait on each other.
 template <int B, int MB>
 void row_dots(const Spread<B>& sp, const LaneScale& ls, const uint8_t* row, const uint8_t* qend, int64_t K, int64_t a,
-              const int16_t* const* xp, const float* const* t, float* out) {
+              const int16_t* const* xp, const float* const* t, const vfloat* init, float* out) {
   using Lay = Layout<B>;
   constexpr int64_t BLK = Lay::BLOCK, BYTES = 4 * Lay::P * B;
   const int64_t NB = (K + BLK - 1) / BLK;
   alignas(64) uint8_t tail[Lay::READ];
   auto block_ptr = [&](int64_t b) -> const uint8_t* {
     const uint8_t* p = row + b * BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead), _MM_HINT_T0);
     if (p + Lay::READ <= qend) return p;
     std::memset(tail, 0, sizeof tail);
     std::memcpy(tail, p, size_t(std::max<int64_t>(0, std::min<int64_t>(Lay::READ, qend - p))));
     return tail;
   };
-  vfloat f[MB];
-  for (int i = 0; i < MB; ++i) f[i] = vzero();
+  vfloat f[MB], f2[MB];
+  for (int i = 0; i < MB; ++i) f[i] = init[i], f2[i] = vzero();
   const auto seq = std::make_integer_sequence<int, Lay::P>();
   if (a >= BLK) {  // whole blocks per sub-group: int32 sums over the sub-group, one broadcast scale
     const int64_t spb = a / BLK, NS = (NB + spb - 1) / spb;
@@ -376,17 +384,23 @@ void row_dots(const Spread<B>& sp, const LaneScale& ls, const uint8_t* row, cons
     }
   } else {  // several sub-groups per block: each int32 lane scaled by its own
     const int64_t spb = BLK / a;
-    for (int64_t b = 0; b < NB; ++b) {
+    auto one = [&](int64_t b, vfloat* g) {
       vi32 acc[MB];
       for (int i = 0; i < MB; ++i) acc[i] = izero();
       const vi16 v = sp.load(block_ptr(b));
       const int16_t* xs[MB];
       for (int i = 0; i < MB; ++i) xs[i] = xp[i] + b * BLK;
       block_dots<B, MB>(v, xs, acc, seq);
-      for (int i = 0; i < MB; ++i) f[i] = vfma(to_vfloat(acc[i]), ls.get(t[i] + b * spb), f[i]);
+      for (int i = 0; i < MB; ++i) g[i] = vfma(to_vfloat(acc[i]), ls.get(t[i] + b * spb), g[i]);
+    };
+    int64_t b = 0;
+    for (; b + 2 <= NB; b += 2) {
+      one(b, f);
+      one(b + 1, f2);
     }
+    if (b < NB) one(b, f);
   }
-  for (int i = 0; i < MB; ++i) out[i] = vsum(f[i]);
+  for (int i = 0; i < MB; ++i) out[i] = vsum(vadd(f[i], f2[i]));
 }
 
 #if HF_AOQ_INTX_ZMM
@@ -417,46 +431,90 @@ void intx_gemv(const IntxWeight& w, const Acts& xa, int64_t M, float* y) {
     const int64_t GP = std::max(w.G, NSp);
     std::vector<float> sg(GP, 0.f), zg(GP, 0.f), ss(NSp, 0.f), zs(NSp, 0.f), tb(kMaxTile * tlen, 0.f);
     const bool same = a == w.g;  // sub-groups are the weight's groups (then G == NS)
+    // Row n's scales and zeros of groups j..j+15 (zero past G): IntxDQTensor's decoded from its
+    // 4-bit indices (as group_params, 16 at a time), IntxTensor's from sg and zg.
+    auto group16 = [&](int64_t n, int64_t j, vfloat& s, vfloat& z) {
+      if (!w.gp) {
+        s = vload(sg.data() + j);
+        z = vload(zg.data() + j);
+        return;
+      }
+      const int64_t have = w.G - j;
+      const uint8_t* p = w.gp + n * w.G + j;
+      alignas(16) uint8_t part[16] = {};
+      if (have < 16) {
+        if (have > 0) std::memcpy(part, p, size_t(have));
+        p = part;
+      }
+      vfloat lo, hi;
+      nibbles16(p, lo, hi);
+      const float* r = w.rows + n * 4;
+      s = vadd(vbroadcast(r[0]), vmul(lo, vbroadcast(r[1])));
+      z = vadd(vbroadcast(r[2]), vmul(hi, vbroadcast(r[3])));
+      if (have < 16) {
+        alignas(64) float ts[16], tz[16];
+        vstore(ts, s);
+        vstore(tz, z);
+        for (int64_t l = std::max<int64_t>(have, 0); l < 16; ++l) ts[l] = tz[l] = 0.f;
+        s = vload(ts);
+        z = vload(tz);
+      }
+    };
     for (int64_t n = n0; n < n1; ++n) {
-      w.row_params(n, sg.data(), zg.data());
-      // Per sub-group: the scale and the zero term's factor z - o * s.
-      if (same) {
-        for (int64_t j = 0; j < NSp; ++j) zs[j] = zg[j] - off * sg[j];
-      } else {
+      if (!(same && w.gp)) w.row_params(n, sg.data(), zg.data());
+      // Per sub-group: the scale and the zero term's factor z - o * s (where the sub-groups are
+      // the groups, in the one pass below).
+      if (!same) {
         for (int64_t j = 0; j < NS; ++j) {
           const int64_t gi = group_of[j];
           ss[j] = sg[gi];
           zs[j] = zg[gi] - off * sg[gi];
         }
       }
-      const float* sc = same ? sg.data() : ss.data();
       const uint8_t* row = w.q + n * w.row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
         const int mb = static_cast<int>(std::min<int64_t>(kMaxTile, M - m0));
         const int16_t* xp[kMaxTile];
         const float* tp[kMaxTile];
-        float d[kMaxTile], zt[kMaxTile];
+        float d[kMaxTile];
+        vfloat za[kMaxTile];  // the zero term's lanes, sum_j (z - o * s)[j] * xs_i[j]
         for (int i = 0; i < mb; ++i) {
-          const int64_t m = m0 + i;
-          xp[i] = xa.xp.data() + m * xa.Kx;
-          float* ti = tb.data() + i * tlen;
-          const float* sxm = xa.sx.data() + m * NSp;
-          for (int64_t j = 0; j < NSp; ++j) ti[j] = sc[j] * sxm[j];
-          tp[i] = ti;
-          vfloat z = vzero();
-          const float* xsm = xa.xs.data() + m * NSp;
-          for (int64_t j = 0; j < NSp; j += kLanes) z = vfma(vload(zs.data() + j), vload(xsm + j), z);
-          zt[i] = vsum(z);
+          xp[i] = xa.xp.data() + (m0 + i) * xa.Kx;
+          tp[i] = tb.data() + i * tlen;
+        }
+        if (same) {
+          // One pass over the groups, 16 at a time: t_i = s * sx_i and the zero term.
+          for (int i = 0; i < mb; ++i) za[i] = vzero();
+          for (int64_t j = 0; j < NSp; j += kLanes) {
+            vfloat sv, zv;
+            group16(n, j, sv, zv);
+            const vfloat zsv = vsub(zv, vscale(sv, off));
+            for (int i = 0; i < mb; ++i) {
+              const int64_t m = m0 + i;
+              vstore(tb.data() + i * tlen + j, vmul(sv, vload(xa.sx.data() + m * NSp + j)));
+              za[i] = vfma(zsv, vload(xa.xs.data() + m * NSp + j), za[i]);
+            }
+          }
+        } else {
+          for (int i = 0; i < mb; ++i) {
+            const int64_t m = m0 + i;
+            float* ti = tb.data() + i * tlen;
+            const float* sxm = xa.sx.data() + m * NSp;
+            for (int64_t j = 0; j < NSp; ++j) ti[j] = ss[j] * sxm[j];
+            za[i] = vzero();
+            const float* xsm = xa.xs.data() + m * NSp;
+            for (int64_t j = 0; j < NSp; j += kLanes) za[i] = vfma(vload(zs.data() + j), vload(xsm + j), za[i]);
+          }
         }
         switch (mb) {
 #if HF_AOQ_INTX_ZMM
-          case 4: row_dots<B, 4>(sp, ls, row, qend, K, a, xp, tp, d); break;
-          case 3: row_dots<B, 3>(sp, ls, row, qend, K, a, xp, tp, d); break;
+          case 4: row_dots<B, 4>(sp, ls, row, qend, K, a, xp, tp, za, d); break;
+          case 3: row_dots<B, 3>(sp, ls, row, qend, K, a, xp, tp, za, d); break;
 #endif
-          case 2: row_dots<B, 2>(sp, ls, row, qend, K, a, xp, tp, d); break;
-          default: row_dots<B, 1>(sp, ls, row, qend, K, a, xp, tp, d); break;
+          case 2: row_dots<B, 2>(sp, ls, row, qend, K, a, xp, tp, za, d); break;
+          default: row_dots<B, 1>(sp, ls, row, qend, K, a, xp, tp, za, d); break;
         }
-        for (int i = 0; i < mb; ++i) y[(m0 + i) * w.N + n] = d[i] + zt[i];
+        for (int i = 0; i < mb; ++i) y[(m0 + i) * w.N + n] = d[i];
       }
     }
   });

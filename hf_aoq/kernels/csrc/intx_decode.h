@@ -143,6 +143,22 @@ inline vfloat vbroadcast(float f) {
 #endif
 }
 
+// The low and high nibbles of 16 bytes at p as float32 lanes (IntxDQTensor's group indices:
+// scale index low, centre index high).
+inline void nibbles16(const uint8_t* p, vfloat& lo, vfloat& hi) {
+#if HF_AOQ_INTX_ZMM
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+#else
+  const __m256i k = _mm256_set1_epi32(15);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, k)), _mm256_cvtepi32_ps(_mm256_and_si256(b, k))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+#endif
+}
+
 // 16 floats, lane j = t[idx[j]] with idx[j] < 16 (lanes 0-7 from t[0..7], 8-15 from t[h..h+7]).
 struct LaneScale {
   alignas(64) int32_t idx[16];

@@ -30,6 +30,9 @@ inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vscale(vfloat v, float f) { return _mm512_mul_ps(v, _mm512_set1_ps(f)); }
 inline float vsum(vfloat v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 #else
 struct vfloat {
   __m256 lo, hi;
@@ -43,6 +46,9 @@ inline vfloat vscale(vfloat v, float f) {
   return {_mm256_mul_ps(v.lo, s), _mm256_mul_ps(v.hi, s)};
 }
 inline float vsum(vfloat v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
+inline vfloat vadd(vfloat a, vfloat b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vfloat vsub(vfloat a, vfloat b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vfloat vmul(vfloat a, vfloat b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 #endif
 
 // Software prefetch in the batch-1 GEMVs (`dot_rows`) and the few-row tiles (`dot_tile4`): while a
