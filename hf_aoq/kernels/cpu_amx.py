@@ -58,7 +58,13 @@ AMX_INT8 = capability("cpu:amx_int8_kernels", "cpu", lambda device: cpu_isa.amx_
 # cpu_intx.py's GEMV, 5632x2048, 2 threads, best of 15, ms (tiles / GEMV): Intx 1.53 / 1.29 at 8
 # rows, 1.50 / 2.26 at 12; IntxDQ 1.82 / 1.56 at 12, 1.79 / 2.61 at 16; at 128 rows IntxDQ 2.87
 # against 4.24 for dequantize + aten's AMX GEMM (cpu_intx.py's bf16 GEMM row), dense bf16 1.63.
-MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 12, "intxdq": 16}
+# Again after the Intx panel writer decoded 16 codes a vector with each row's group parameters
+# made first (2026-12-05, weights from DRAM, 24 copies cycled, 2 threads, 3-bit codes in groups of
+# 32, us, 2048x5632 / 5632x2048, tiles / GEMV): IntxDQ 1121 / 811 and 1093 / 1132 at 6 rows,
+# 1139 / 1214 and 1061 / 1169 at 8, tiles 1145 / 1247 at 16 (the GEMV 2795 / 2329; the tiles took
+# 2640-2824 before); Intx (int3, asymmetric) 1009 / 1010 and 980 / 917 at 6 rows, 1007 / 1392 and
+# 1018 / 1227 at 8. Both from 7 rows.
+MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 7, "intxdq": 7}
 # Int8 weights with dynamic int8 activations on the int8 tiles (cpu_int8dyn_amx) against cpu.py's
 # GEMV on the activations fake-quantized in the same C++ call (cpu_int8_ext; weights from DRAM, 64
 # copies cycled, same machine, 2048x5632 / 5632x2048, tiles / GEMV): 1.39 / 1.06 at 1 row, 1.04 /

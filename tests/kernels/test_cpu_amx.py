@@ -40,7 +40,8 @@ def _weights(n: int, k: int, seed: int = 0) -> dict[str, tuple[str, object]]:
     out["int8 dynamic"] = ("int8", Int8Tensor.from_float(w, act_quant="per_token"))
     out["fp8 e4m3"] = ("fp8", Float8Tensor.from_float(w))
     out["fp8 e5m2 per tensor"] = ("fp8", Float8Tensor.from_float(w, torch.float8_e5m2, PerTensor()))
-    for bits, g, symmetric in ((3, 32, False), (2, 16, True), (5, 64, False), (8, 128, True), (1, None, False)):
+    for bits, g, symmetric in ((3, 32, False), (2, 16, True), (5, 64, False), (7, 32, False), (8, 128, True),
+                               (1, None, False)):
         out[f"intx int{bits} g{g}"] = ("intx", IntxTensor.from_float(w.bfloat16(), bits, g, symmetric=symmetric))
     out["intx int4 g32 fp16 scales"] = ("intx", IntxTensor.from_float(w.half(), 4, 32, symmetric=False))
     out["intx int6 g32 int8 activations"] = ("intx", IntxTensor.from_float(w.bfloat16(), 6, 32, act_quant="per_token"))

@@ -81,6 +81,16 @@ inline void check_amx_usable() {
 }
 
 #if HF_AOQ_AMX
+// Two vectors of 16 float32 as 32 bf16 (a in the low half, b in the high), rounded to nearest,
+// ties to even, as c10::BFloat16 rounds, except that the instruction reads denormal float32 inputs
+// as zero. The tile multiply (TDPBF16PS) reads denormal bf16 as zero anyway, here as in aten's
+// AMX GEMM that the reference kernel calls; the one difference left is a float32 value just below
+// 2^-126 that c10 rounds up to the smallest normal bf16.
+// Outside the AMX target region below (it needs only AVX512-BF16, a flag of the avx512 build), so
+// that the panel writers of other files, compiled without that region's target, inline it: called
+// from intx.cpp's panel writer it had stayed a call, a tenth of the panel's time.
+inline __m512i bf16_pack(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
+
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,amx-int8")
 
@@ -103,13 +113,6 @@ inline void amx_configure() {
   }
   _tile_loadconfig(&c);
 }
-
-// Two vectors of 16 float32 as 32 bf16 (a in the low half, b in the high), rounded to nearest,
-// ties to even, as c10::BFloat16 rounds, except that the instruction reads denormal float32 inputs
-// as zero. The tile multiply (TDPBF16PS) reads denormal bf16 as zero anyway, here as in aten's
-// AMX GEMM that the reference kernel calls; the one difference left is a float32 value just below
-// 2^-126 that c10 rounds up to the smallest normal bf16.
-inline __m512i bf16_pack(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
 
 // r[i] (16 lanes of 32 bits) -> r[j] lane i = old r[i] lane j.
 inline void transpose16x16_epi32(__m512i* r) {

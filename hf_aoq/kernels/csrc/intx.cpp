@@ -212,35 +212,76 @@ struct IntxRows {
 };
 
 #if HF_AOQ_AMX
+// Sixteen consecutive codes of a row, from a byte boundary (2B bytes at p), as int32 lanes: the
+// 16 bytes at p in every 128-bit quarter, each lane's 32-bit window gathered by a byte shuffle
+// (byte B * i / 8 on: bytes past the 16 read as zero, above the code), then shifted right by
+// B * i % 8 and masked. `end`: the tensor's end (16 bytes are read where they lie before it).
+template <int B>
+struct Codes16 {
+  alignas(64) uint8_t shuf[64];
+  alignas(64) uint32_t shift[16];
+  Codes16() {
+    for (int i = 0; i < 16; ++i) {
+      const int bit = B * i, byte = bit / 8;
+      shift[i] = static_cast<uint32_t>(bit % 8);
+      for (int j = 0; j < 4; ++j) {
+        const int src = byte + j;
+        shuf[16 * (i / 4) + 4 * (i % 4) + j] = static_cast<uint8_t>(src <= 15 ? src : 0x80);
+      }
+    }
+  }
+  inline __m512i get(const uint8_t* p, const uint8_t* end) const {
+    __m128i raw;
+    if (p + 16 <= end) {
+      raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    } else {
+      alignas(16) uint8_t part[16] = {};
+      std::memcpy(part, p, size_t(std::max<int64_t>(0, std::min<int64_t>(16, end - p))));
+      raw = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+    }
+    const __m512i lanes = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), _mm512_load_si512(shuf));
+    return _mm512_and_si512(_mm512_srlv_epi32(lanes, _mm512_load_si512(shift)), _mm512_set1_epi32((1 << B) - 1));
+  }
+};
+
 // Panel writer for the AMX tile GEMM (amx_gemm.h, RowScalePanel's layout): weight rows
 // n0..n0+31, k in [k0, k1) as bf16 in steps of 32 k, out[((k - k0) / 32 * 32 + r) * 32 + k % 32];
 // each value (q - o) * s (+ z) in float32 as IntxRows computes it, then rounded to bf16. A step at
-// a time over the 32 rows, so that the stores fill each step's 2 KB in order. Groups are a
-// multiple of 16 columns (the halves of a step), K of 32.
+// a time over the 32 rows, so that the stores fill each step's 2 KB in order; each half step (16
+// codes, one group: groups are a multiple of 16 columns, K of 32) decoded by Codes16. Each row's
+// bytes are read with the same bytes of the row 32 further on asked for (into L2), the next
+// block's, as RowScalePanel does.
 template <int B>
 struct IntxRowsPanel {
   static constexpr bool kWeightRows = true;
   using Elem = uint16_t;
   const IntxWeight& w;
   void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
+    static const Codes16<B> codes16;
     const uint8_t* qend = w.q + w.N * w.row_bytes;
     const __m512 vo = _mm512_set1_ps(w.off);
     const bool has_zero = w.has_zero();
+    const int64_t ahead = kAmxBlockN * w.row_bytes, G = w.G;
+    // The 32 rows' scales and zeros, each row's as row_params gives them (the same values as
+    // group_params), before the steps: one group's pair is then two loads.
+    thread_local std::vector<float> params;
+    params.assign(size_t(2 * kAmxBlockN * G), 0.f);
+    float* const sp = params.data();
+    float* const zp = sp + kAmxBlockN * G;
+    for (int r = 0; r < kAmxBlockN; ++r) w.row_params(n0 + r, sp + r * G, zp + r * G);
     for (int64_t k = k0; k < k1; k += 32) {
       uint16_t* o = out + (k - k0) * 32;
       const int64_t j0 = k / w.g, j1 = (k + 16) / w.g;
       for (int r = 0; r < kAmxBlockN; ++r) {
         const int64_t n = n0 + r;
-        const uint8_t* row = w.q + n * w.row_bytes;
+        const uint8_t* row = w.q + n * w.row_bytes + k / 8 * B;
+        _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_T1);
         __m512 v[2];
         for (int h = 0; h < 2; ++h) {
-          float s, z;
-          w.group_params(n, h ? j1 : j0, s, z);
-          const int64_t kk = k + 16 * h;
-          const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(eight_codes<B>(row + kk / 8 * B, qend)),
-                                                   eight_codes<B>(row + (kk + 8) / 8 * B, qend), 1);
-          __m512 f = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes), vo), _mm512_set1_ps(s));
-          if (has_zero) f = _mm512_add_ps(f, _mm512_set1_ps(z));
+          const int64_t j = r * G + (h ? j1 : j0);
+          __m512 f = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes16.get(row + 2 * B * h, qend)), vo),
+                                   _mm512_set1_ps(sp[j]));
+          if (has_zero) f = _mm512_add_ps(f, _mm512_set1_ps(zp[j]));
           v[h] = f;
         }
         _mm512_storeu_si512(o + r * 32, bf16_pack(v[0], v[1]));
