@@ -39,7 +39,7 @@ INTX_GEMV_MAX_ROWS = 64
 # ms, IntxDQ int3 then Intx int3-asym: 2.37 / 3.69 and 2.51 / 3.40 at 16 rows, 4.56 / 3.67 and
 # 4.47 / 3.77 at 24, 5.93 / 3.99 at 32, 9.23 / 3.99 at 64: so from 20 rows on AMX (65, just above
 # the GEMV, where AVX512-BF16 has no AMX: not re-measured there). Where hf_aoq's own AMX tiles run
-# (cpu_amx.py), they come first: from 12 rows for Intx and 16 for IntxDQ, faster than both.
+# (cpu_amx.py), they come first: from 7 rows for both (cpu_amx.MIN_ROWS), faster than both.
 # Batch 1 against int4 g32 (Int4Tensor's int16-code kernel through F.linear), 2048x5632, bf16,
 # asymmetric groups of 32, scripts/bench_kernels.py --rows 1 --only intx,"int4 g32" --rounds 60,
 # best of interleaved rounds as ratios (AVX-512 VNNI build, load average ~18 on 2 vCPUs): 1 thread
