@@ -389,24 +389,43 @@ def float8_cpu_linear(x, w, bias):
 # ---------------------------------------------------------------------- Int4DQTensor
 # The int4 kernels of csrc/int4_pairs.h (instantiated in csrc/int4dq.cpp) with each group's
 # scale and centre decoded from the 4-bit indices (gparams) and the row grid (rparams, tparams)
-# as the format defines them. The codes are packed as Int4Tensor's; gparams are transposed to
-# [G, N] so that one group's bytes for a block of rows are contiguous. Its paths and crossover
-# are Int4's (INT4_GEMV_MAX_ROWS).
+# as the format defines them. The codes are packed as Int4Tensor's; gparams become one flat run of
+# bytes in chunks of 64 rows, each chunk's [G, rows] contiguous (int4dq_cpu_gparams), so that the
+# GEMV's 64-row step reads its groups' bytes as one stream. Its paths and crossover are Int4's
+# (INT4_GEMV_MAX_ROWS).
 
 
 def _int4dq_packable(w) -> bool:
     return w.shape[0] % 16 == 0
 
 
+def int4dq_cpu_gparams(gparams: torch.Tensor) -> torch.Tensor:
+    """Canonical gparams [N, G] -> the CPU kernels' layout (csrc/int4dq.cpp, DQParams): flat
+    uint8 [N * G], chunks of 64 rows in row order, each chunk [G, rows] (the last chunk holds
+    the N % 64 rows left, if any)."""
+    n, g = gparams.shape
+    n64 = n // 64 * 64
+    full = gparams[:n64].reshape(n // 64, 64, g).transpose(1, 2).reshape(-1)
+    return torch.cat([full, gparams[n64:].t().reshape(-1)]).contiguous()
+
+
+def int4dq_canonical_gparams(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of int4dq_cpu_gparams for a weight of n rows."""
+    g = flat.numel() // n
+    n64 = n // 64 * 64
+    full = flat[: n64 * g].reshape(n // 64, g, 64).transpose(1, 2).reshape(n64, g)
+    return torch.cat([full, flat[n64 * g:].reshape(g, n - n64).t()]).contiguous()
+
+
 def pack_int4dq_for_cpu(w):
     qdata = cpu_ext.load().int4_repack_pairs(w.qdata.contiguous(), int4_padded_k(w))
-    return w.replace(qdata=qdata, gparams=w.gparams.t().contiguous(), packing="cpu_int4dq")
+    return w.replace(qdata=qdata, gparams=int4dq_cpu_gparams(w.gparams), packing="cpu_int4dq")
 
 
 def unpack_int4dq_from_cpu(w):
     n, k = w.shape
     codes = pairs_int4unpack_codes(w.qdata, n, int4_padded_k(w))[:, :k]
-    return w.replace(qdata=pack_int4(codes), gparams=w.gparams.t().contiguous(), packing=None)
+    return w.replace(qdata=pack_int4(codes), gparams=int4dq_canonical_gparams(w.gparams, n), packing=None)
 
 
 register_packing(
@@ -417,10 +436,10 @@ register_packing(
 
 @opaque_op("int4dq_linear_io_cpu", _linear_out)
 def int4dq_linear_io(
-    x: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+    x: torch.Tensor, packed: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
     group_size: int, k: int, bias: Optional[torch.Tensor], rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return cpu_ext.load().int4dq_linear_io(x, packed, gparams_t, rparams, tparams, group_size, k, bias, INT4_GEMV_MAX_ROWS,
+    return cpu_ext.load().int4dq_linear_io(x, packed, gparams, rparams, tparams, group_size, k, bias, INT4_GEMV_MAX_ROWS,
                                            rows)
 
 

@@ -85,9 +85,9 @@ def int4_amx_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Ten
 
 
 @opaque_op("int4dq_amx_linear_cpu", _out)
-def int4dq_amx_linear(x: torch.Tensor, packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor,
+def int4dq_amx_linear(x: torch.Tensor, packed: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor,
                       tparams: torch.Tensor, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().int4dq_amx_linear(x, packed, gparams_t, rparams, tparams, group_size, bias)
+    return cpu_ext.load().int4dq_amx_linear(x, packed, gparams, rparams, tparams, group_size, bias)
 
 
 @opaque_op("int8_amx_linear_cpu", _out)

@@ -85,9 +85,9 @@ def int4_dequantize(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: 
 
 
 @opaque_op("int4dq_dequantize_cpu", _weight_fake)
-def int4dq_dequantize(packed: torch.Tensor, gparams_t: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
+def int4dq_dequantize(packed: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
                       group_size: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    return cpu_ext.load().int4dq_dequantize(packed, gparams_t, rparams, tparams, group_size, k, dtype)
+    return cpu_ext.load().int4dq_dequantize(packed, gparams, rparams, tparams, group_size, k, dtype)
 
 
 @opaque_op("int8_dequantize_cpu", _weight_fake)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_aoq.kernels import cpu_ext
+from hf_aoq.kernels import cpu, cpu_ext
 from hf_aoq.kernels.cpu import INT4_GEMV_MAX_ROWS as GEMV_MAX_ROWS  # the one definition; any value works here
 
 from conftest import int16_activation_linear
@@ -104,10 +104,26 @@ def random_fields(n: int, k: int, g: int, seed: int = 0):
 
 
 def kernel_fields(qdata, gparams, g: int):
-    """What the kernels take: codes in the pairs layout padded to whole groups, gparams transposed."""
+    """What the kernels take: codes in the pairs layout padded to whole groups, gparams in 64-row chunks."""
     padded_k = gparams.shape[1] * g
     packed = cpu_ext.load().int4_repack_pairs(qdata, padded_k)
-    return packed, gparams.t().contiguous(), padded_k
+    return packed, cpu.int4dq_cpu_gparams(gparams), padded_k
+
+
+@pytest.mark.parametrize("n", [16, 48, 64, 80, 112, 208])
+def test_cpu_gparams_layout_round_trips(n):
+    """The CPU packing's group bytes: chunks of 64 rows (the last one holding what is left), each
+    chunk's [G, rows] contiguous, as DQParams::bytes reads them; the inverse gives them back."""
+    g = 5
+    gparams = torch.randint(0, 256, (n, g), dtype=torch.uint8)
+    flat = cpu.int4dq_cpu_gparams(gparams)
+    assert flat.shape == (n * g,) and flat.is_contiguous()
+    for row in range(n):
+        c0 = row // 64 * 64
+        width = min(64, n - c0)
+        for j in range(g):
+            assert flat[c0 * g + j * width + row - c0] == gparams[row, j]
+    assert torch.equal(cpu.int4dq_canonical_gparams(flat, n), gparams)
 
 
 def rel_err(expected, got):
@@ -165,9 +181,9 @@ def test_many_rows_path_dequantizes_exactly(n, k, g):
     """Fed the identity, the many-rows path returns its float32 dequantized weight: bit for bit
     the reference's."""
     qdata, gparams, rparams, tparams = random_fields(n, k, g)
-    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    packed, gparams_cpu, padded_k = kernel_fields(qdata, gparams, g)
     eye = torch.eye(padded_k)
-    got = cpu_ext.load().int4dq_linear(eye, packed, gparams_t, rparams, tparams, g, 0, False)
+    got = cpu_ext.load().int4dq_linear(eye, packed, gparams_cpu, rparams, tparams, g, 0, False)
     assert got.shape == (padded_k, n)
     assert torch.equal(got.t()[:, :k], ref_dequantize(qdata, gparams, rparams, tparams, k, g))
 
@@ -175,18 +191,18 @@ def test_many_rows_path_dequantizes_exactly(n, k, g):
 @pytest.mark.parametrize("n,k,g", SHAPES)
 def test_linear_both_paths_match_reference(n, k, g):
     qdata, gparams, rparams, tparams = random_fields(n, k, g)
-    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    packed, gparams_cpu, padded_k = kernel_fields(qdata, gparams, g)
     w = ref_dequantize(qdata, gparams, rparams, tparams, k, g)
     ext = cpu_ext.load()
     torch.manual_seed(1)
     for m in (1, 2, 3, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 70):
         x = torch.randn(m, k)
         xp = F.pad(x, (0, padded_k - k))
-        got = ext.int4dq_linear(xp, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, False)
+        got = ext.int4dq_linear(xp, packed, gparams_cpu, rparams, tparams, g, GEMV_MAX_ROWS, False)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         assert rel_err(x @ w.t(), got) < 1e-5, m
         # Half-precision activations: int16 codes at any number of rows (see test_cpu_kernels.py).
-        got16 = ext.int4dq_linear(xp, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, True)
+        got16 = ext.int4dq_linear(xp, packed, gparams_cpu, rparams, tparams, g, GEMV_MAX_ROWS, True)
         expected, bound = int16_activation_linear(xp, F.pad(w, (0, padded_k - k)), g)
         exact = (x.double() @ w.double().t())
         assert rel_err(expected, got16) < 1e-6, m
@@ -198,13 +214,13 @@ def test_many_rows_path_over_several_chunks():
     16-row block."""
     n, k, g = 272, 16384, 32
     qdata, gparams, rparams, tparams = random_fields(n, k, g, seed=5)
-    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    packed, gparams_cpu, padded_k = kernel_fields(qdata, gparams, g)
     w = ref_dequantize(qdata, gparams, rparams, tparams, k, g)
     torch.manual_seed(2)
     ext = cpu_ext.load()
     for m in (2, 60):
         x = torch.randn(m, k)
-        got = ext.int4dq_linear(x, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, False)
+        got = ext.int4dq_linear(x, packed, gparams_cpu, rparams, tparams, g, GEMV_MAX_ROWS, False)
         assert rel_err(x @ w.t(), got) < 1e-5, m
 
 
@@ -216,7 +232,7 @@ def test_one_call_entry_point_equals_the_composed_ops(n, k, g, dtype, with_bias)
     and .to(dtype) in one call: the same bits as those steps composed from torch ops, with the row
     table decoded in the call or kept by the caller (int4dq_cpu_rows)."""
     qdata, gparams, rparams, tparams = random_fields(n, k, g, seed=3)
-    packed, gparams_t, padded_k = kernel_fields(qdata, gparams, g)
+    packed, gparams_cpu, padded_k = kernel_fields(qdata, gparams, g)
     ext = cpu_ext.load()
     table = ext.int4dq_cpu_rows(rparams, tparams)
     assert table.shape == (8, n) and table.dtype == torch.float32
@@ -224,11 +240,11 @@ def test_one_call_entry_point_equals_the_composed_ops(n, k, g, dtype, with_bias)
     bias = torch.randn(n, dtype=dtype) if with_bias else None
     for shape in ((1, k), (2, 3, k), (70, k)):
         x = torch.randn(*shape, dtype=dtype)
-        eager = ext.int4dq_linear_io(x, packed, gparams_t, rparams, tparams, g, k, bias, GEMV_MAX_ROWS, None)
-        kept = ext.int4dq_linear_io(x, packed, gparams_t, rparams, tparams, g, k, bias, GEMV_MAX_ROWS, table)
+        eager = ext.int4dq_linear_io(x, packed, gparams_cpu, rparams, tparams, g, k, bias, GEMV_MAX_ROWS, None)
+        kept = ext.int4dq_linear_io(x, packed, gparams_cpu, rparams, tparams, g, k, bias, GEMV_MAX_ROWS, table)
         assert torch.equal(kept, eager), shape
         x2 = F.pad(x.reshape(-1, k).float(), (0, padded_k - k))
-        y = ext.int4dq_linear(x2, packed, gparams_t, rparams, tparams, g, GEMV_MAX_ROWS, dtype != torch.float32)
+        y = ext.int4dq_linear(x2, packed, gparams_cpu, rparams, tparams, g, GEMV_MAX_ROWS, dtype != torch.float32)
         if bias is not None:
             y = y + bias.float()
         composed = y.to(dtype).reshape(*shape[:-1], n)

@@ -19,7 +19,7 @@ torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero
 // Only where amx_available(); elsewhere they raise.
 torch::Tensor int4pack_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                                   c10::optional<torch::Tensor> bias);
-torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias);
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
 // int8.cpp: int8 weights with dynamic int8 activations on AMX's int8 tiles, x float32, bf16 or
@@ -41,13 +41,13 @@ torch::Tensor int8_int4_linear_io(torch::Tensor codes, torch::Tensor act_scale, 
                                   c10::optional<torch::Tensor> bias, torch::ScalarType dtype);
 
 // int4dq.cpp: Int4DQTensor on the pairs layout.
-torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations);
-torch::Tensor int4dq_linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                  torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations,
                                  c10::optional<torch::Tensor> table);
 torch::Tensor int4dq_cpu_rows(torch::Tensor rparams, torch::Tensor tparams);
-torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, int64_t k, torch::ScalarType dtype);
 
 // int4dq_search.cpp: Int4DQTensor's (and IntxDQTensor's) quantize-time helpers.
@@ -109,7 +109,7 @@ torch::Tensor fpx_dequantize(torch::Tensor qdata, torch::Tensor scale, int64_t e
 // linear_io.cpp: F.linear(x, weight, bias) per format in one call.
 torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                                  int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
-torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                torch::Tensor tparams, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
                                int64_t gemv_max_rows, c10::optional<torch::Tensor> rows);
 torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,

@@ -316,6 +316,63 @@ __attribute__((always_inline)) inline void int4_epilogue16(const float* s, const
 }
 #endif
 
+// The epilogue of the affine providers (P::kAffine: Int4DQ, whose group scale and centre are
+// d = dlo + a * dstep and c = clo + b * cstep, a and b the group's 4-bit indices, dlo, dstep,
+// clo and cstep per row). Over a row's groups the integer GEMV sums, per output,
+//   u = sx * acc - offset * xs (one fused multiply-add), U += u, AU += a * u, BX += b * xs
+// (both fused), and ends with y = dlo * U + dstep * AU + clo * XS + cstep * BX (a multiply, then
+// three fused multiply-adds in that order), XS the activation row's xs summed over its groups in
+// order: the sum over groups of d * (sx * acc) + (c - offset * d) * xs, with each row's
+// parameters applied once instead of making d and c per group (a quarter of the batch-1 GEMV's
+// instructions at groups of 32). Every step (64-row, 32-row, the 16-row tail's scalar code) does
+// these operations in this order, so an output's bits depend neither on the step nor on the build.
+inline float int4_row_xsum(const Int16Rows& xq, int64_t m, int64_t G) {
+  float s = 0.f;
+  for (int64_t g = 0; g < G; ++g) s += xq.xs[m * G + g];
+  return s;
+}
+
+// One output's group (scalar).
+inline void int4_affine_group1(float a, float b, float sx, float xs, float offset, int32_t acc, float* sums, int64_t ld) {
+  const float u = std::fma(sx, static_cast<float>(acc), -(offset * xs));
+  sums[0] = sums[0] + u;
+  sums[ld] = std::fma(a, u, sums[ld]);
+  sums[2 * ld] = std::fma(b, xs, sums[2 * ld]);
+}
+
+template <class P>
+inline float int4_affine_out(const P& p, int64_t n, float XS, float U, float AU, float BX) {
+  return std::fma(p.cstep[n], BX, std::fma(p.clo[n], XS, std::fma(p.dstep[n], AU, p.dlo[n] * U)));
+}
+
+#if defined(__AVX2__)
+// A group of rows 8t..8t+7 of a full block into the sums (a, b: the rows' indices as float32).
+__attribute__((always_inline)) inline void int4_affine_group16(const float* a, const float* b, float sx, float xs,
+                                                               float offset, const __m256i* acc, __m256* U, __m256* AU,
+                                                               __m256* BX) {
+  const __m256 sxv = _mm256_set1_ps(sx), xsv = _mm256_set1_ps(xs), nxo = _mm256_set1_ps(-(offset * xs));
+  for (int t = 0; t < 4; ++t) {
+    const __m256 u = _mm256_fmadd_ps(sxv, _mm256_cvtepi32_ps(acc[t]), nxo);
+    U[t] = _mm256_add_ps(U[t], u);
+    AU[t] = _mm256_fmadd_ps(_mm256_load_ps(a + 8 * t), u, AU[t]);
+    BX[t] = _mm256_fmadd_ps(_mm256_load_ps(b + 8 * t), xsv, BX[t]);
+  }
+}
+
+template <class P>
+inline void int4_affine_store16(const P& p, int64_t n0, float XS, const __m256* U, const __m256* AU, const __m256* BX,
+                                float* y) {
+  const __m256 xsv = _mm256_set1_ps(XS);
+  for (int t = 0; t < 4; ++t) {
+    const int64_t n = n0 + 8 * t;
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p.dlo + n), U[t]);
+    v = _mm256_fmadd_ps(_mm256_loadu_ps(p.dstep + n), AU[t], v);
+    v = _mm256_fmadd_ps(_mm256_loadu_ps(p.clo + n), xsv, v);
+    _mm256_storeu_ps(y + 8 * t, _mm256_fmadd_ps(_mm256_loadu_ps(p.cstep + n), BX[t], v));
+  }
+}
+#endif
+
 // y = x W^T for activations given as int16 codes (xq: from quantize_rows16, or an
 // activation-quantized weight's int8 codes, int8_int4.cpp). Per block of 32 weight rows, group
 // and activation row: an exact int32 sum of code products, then the group's float32 epilogue as
@@ -327,14 +384,20 @@ void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, f
   const int64_t NB = (N + BLOCK_N - 1) / BLOCK_N;
   // Blocks per unit of work: two full ones at a time in the AVX-512 build (int4_pairs512.h).
   constexpr int64_t step = HF_AOQ_INT4_512 ? 2 : 1;
+  // P::kAffine: the activation rows' xs summed over their groups, and per output three sums
+  // (U, AU, BX: `out` holds them [M][3][rows]) instead of one.
+  constexpr int64_t R = P::kAffine ? 3 : 1;
+  std::vector<float> XS(M);
+  if constexpr (P::kAffine)
+    for (int64_t m = 0; m < M; ++m) XS[m] = int4_row_xsum(xq, m, G);
   at::parallel_for(0, (NB + step - 1) / step, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> out(M * BLOCK_N), out64;
+    std::vector<float> out(M * R * BLOCK_N), out64;
     alignas(32) float s[BLOCK_N], z[BLOCK_N];
     for (int64_t b = u0 * step; b < std::min(NB, u1 * step); ++b) {
       const int64_t n0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - n0);
 #if HF_AOQ_INT4_512
       if (b % 2 == 0 && N - n0 >= 2 * BLOCK_N) {
-        int4_step64(xq, w, params, y, M, N, K, gs, n0, out64);
+        int4_step64(xq, w, params, XS.data(), y, M, N, K, gs, n0, out64);
         ++b;
         continue;
       }
@@ -344,22 +407,32 @@ void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, f
       if (rows == BLOCK_N) {
         if (M == 1) {  // the outputs stay in registers over the groups
           const int64_t ms[1] = {0};
-          __m256 o[4];
-          for (int t = 0; t < 4; ++t) o[t] = _mm256_setzero_ps();
+          __m256 o[4], AU[4], BX[4];
+          for (int t = 0; t < 4; ++t) o[t] = AU[t] = BX[t] = _mm256_setzero_ps();
           for (int64_t g = 0; g < G; ++g) {
             int4_prefetch_params(params, G, g, n0, BLOCK_N);
             __m256i acc[1][4];
             int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc, true);
-            params(g, n0, BLOCK_N, s, z);
-            int4_epilogue16<P>(s, z, xq.sx[g], xq.xs[g], acc[0], o);
+            if constexpr (P::kAffine) {
+              params.indices(g, n0, BLOCK_N, s, z);
+              int4_affine_group16(s, z, xq.sx[g], xq.xs[g], P::offset, acc[0], o, AU, BX);
+            } else {
+              params(g, n0, BLOCK_N, s, z);
+              int4_epilogue16<P>(s, z, xq.sx[g], xq.xs[g], acc[0], o);
+            }
           }
-          for (int t = 0; t < 4; ++t) _mm256_storeu_ps(y + n0 + 8 * t, o[t]);
+          if constexpr (P::kAffine) {
+            int4_affine_store16(params, n0, XS[0], o, AU, BX, y + n0);
+          } else {
+            for (int t = 0; t < 4; ++t) _mm256_storeu_ps(y + n0 + 8 * t, o[t]);
+          }
           continue;
         }
         std::fill(out.begin(), out.end(), 0.f);
         for (int64_t g = 0; g < G; ++g) {
           int4_prefetch_params(params, G, g, n0, BLOCK_N);
-          params(g, n0, BLOCK_N, s, z);
+          if constexpr (P::kAffine) params.indices(g, n0, BLOCK_N, s, z);
+          else params(g, n0, BLOCK_N, s, z);
           for (int64_t m0 = 0; m0 < M; m0 += 2) {
             const int mb = static_cast<int>(std::min<int64_t>(2, M - m0));
             const int64_t ms[2] = {m0, m0 + mb - 1};
@@ -367,32 +440,60 @@ void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, f
             if (mb == 2) int4_group_isums<2>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc, m0 == 0);
             else int4_group_isums<1>(blk, xq, ms, K, g * gs / 2, (g + 1) * gs / 2, acc, m0 == 0);
             for (int i = 0; i < mb; ++i) {
-              float* op = out.data() + (m0 + i) * BLOCK_N;
-              __m256 o[4];
-              for (int t = 0; t < 4; ++t) o[t] = _mm256_loadu_ps(op + 8 * t);
-              int4_epilogue16<P>(s, z, xq.sx[(m0 + i) * G + g], xq.xs[(m0 + i) * G + g], acc[i], o);
-              for (int t = 0; t < 4; ++t) _mm256_storeu_ps(op + 8 * t, o[t]);
+              float* op = out.data() + (m0 + i) * R * BLOCK_N;
+              __m256 o[R][4];
+              for (int q = 0; q < R; ++q)
+                for (int t = 0; t < 4; ++t) o[q][t] = _mm256_loadu_ps(op + q * BLOCK_N + 8 * t);
+              const float sx = xq.sx[(m0 + i) * G + g], xs = xq.xs[(m0 + i) * G + g];
+              if constexpr (P::kAffine) int4_affine_group16(s, z, sx, xs, P::offset, acc[i], o[0], o[1], o[2]);
+              else int4_epilogue16<P>(s, z, sx, xs, acc[i], o[0]);
+              for (int q = 0; q < R; ++q)
+                for (int t = 0; t < 4; ++t) _mm256_storeu_ps(op + q * BLOCK_N + 8 * t, o[q][t]);
             }
           }
         }
-        for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, out.data() + m * BLOCK_N, BLOCK_N * sizeof(float));
+        for (int64_t m = 0; m < M; ++m) {
+          const float* op = out.data() + m * R * BLOCK_N;
+          if constexpr (P::kAffine) {
+            __m256 o[3][4];
+            for (int q = 0; q < 3; ++q)
+              for (int t = 0; t < 4; ++t) o[q][t] = _mm256_loadu_ps(op + q * BLOCK_N + 8 * t);
+            int4_affine_store16(params, n0, XS[m], o[0], o[1], o[2], y + m * N + n0);
+          } else {
+            std::memcpy(y + m * N + n0, op, BLOCK_N * sizeof(float));
+          }
+        }
         continue;
       }
 #endif
       std::fill(out.begin(), out.end(), 0.f);
       for (int64_t g = 0; g < G; ++g) {
-        params(g, n0, rows, s, z);
+        if constexpr (P::kAffine) params.indices(g, n0, rows, s, z);
+        else params(g, n0, rows, s, z);
         for (int64_t m = 0; m < M; ++m) {
           const float sx = xq.sx[m * G + g], xs = xq.xs[m * G + g];
           for (int64_t r = 0; r < rows; ++r) {
             int32_t a = 0;
             for (int64_t k = g * gs; k < (g + 1) * gs; ++k) a += code_at(blk, rows, k, r) * int32_t(xq.codes[m * K + k]);
-            const float zc = z[r] - P::offset * s[r];
-            out[m * BLOCK_N + r] += (s[r] * sx) * float(a) + zc * xs;
+            float* o = out.data() + m * R * BLOCK_N + r;
+            if constexpr (P::kAffine) {
+              int4_affine_group1(s[r], z[r], sx, xs, P::offset, a, o, BLOCK_N);
+            } else {
+              const float zc = z[r] - P::offset * s[r];
+              *o += (s[r] * sx) * float(a) + zc * xs;
+            }
           }
         }
       }
-      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n0, out.data() + m * BLOCK_N, rows * sizeof(float));
+      for (int64_t m = 0; m < M; ++m) {
+        const float* o = out.data() + m * R * BLOCK_N;
+        for (int64_t r = 0; r < rows; ++r) {
+          if constexpr (P::kAffine)
+            y[m * N + n0 + r] = int4_affine_out(params, n0 + r, XS[m], o[r], o[BLOCK_N + r], o[2 * BLOCK_N + r]);
+          else
+            y[m * N + n0 + r] = o[r];
+        }
+      }
     }
   });
 }

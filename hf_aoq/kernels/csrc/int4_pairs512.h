@@ -145,64 +145,115 @@ inline void int4_store64(float* y, const __m512* o) {
   }
 }
 
-// Activation rows [m0, m0 + MB) of a step, the outputs in `out` (float [M][64], lane order).
-template <int MB>
+// The affine providers' epilogue (int4_pairs.h's int4_affine_group16 and int4_affine_store16,
+// 16 rows a vector): a group of the step's rows into the sums U, AU, BX (a, b: the rows'
+// indices as float32, lane order) ...
+__attribute__((always_inline)) inline void int4_affine_group64(const __m512* a, const __m512* b, float sx, float xs,
+                                                               float offset, const __m512i* acc, __m512* U, __m512* AU,
+                                                               __m512* BX) {
+  const __m512 sxv = _mm512_set1_ps(sx), xsv = _mm512_set1_ps(xs), nxo = _mm512_set1_ps(-(offset * xs));
+  for (int t = 0; t < 4; ++t) {
+    const __m512 u = _mm512_fmadd_ps(sxv, _mm512_cvtepi32_ps(acc[t]), nxo);
+    U[t] = _mm512_add_ps(U[t], u);
+    AU[t] = _mm512_fmadd_ps(a[t], u, AU[t]);
+    BX[t] = _mm512_fmadd_ps(b[t], xsv, BX[t]);
+  }
+}
+
+// ... and the step's outputs from them, with the rows' parameters in lane order (P::rows64).
+template <class P>
+inline void int4_affine_store64(const P& p, int64_t n0, float XS, const __m512* U, const __m512* AU, const __m512* BX,
+                                float* y) {
+  const float* r = p.rows64 + n0;
+  const int64_t N = p.N;
+  const __m512 xsv = _mm512_set1_ps(XS);
+  __m512 o[4];
+  for (int t = 0; t < 4; ++t) {
+    const float* q = r + 16 * t;
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(q), U[t]);
+    v = _mm512_fmadd_ps(_mm512_loadu_ps(q + N), AU[t], v);
+    v = _mm512_fmadd_ps(_mm512_loadu_ps(q + 2 * N), xsv, v);
+    o[t] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 3 * N), BX[t], v);
+  }
+  int4_store64(y, o);
+}
+
+// Activation rows [m0, m0 + MB) of a step, the outputs in `out` (float [M][64], lane order; for
+// an affine provider the sums, [M][3][64], with s and zc holding the indices a and b).
+template <int MB, bool Affine, class P>
 inline void int4_tile64(const Int16Rows& xq, const uint8_t* a, const uint8_t* b, const __m512* s, const __m512* zc,
                         int64_t m0, int64_t K, int64_t G, int64_t g, int64_t gs, float* out) {
+  constexpr int R = Affine ? 3 : 1;
   const int16_t* xc[MB];
   for (int i = 0; i < MB; ++i) xc[i] = xq.codes.data() + (m0 + i) * K;
   __m512i acc[MB][4];
   int4_group_isums64<MB>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc, m0 == 0);
   for (int i = 0; i < MB; ++i) {
-    float* op = out + (m0 + i) * 64;
-    __m512 o[4];
-    for (int t = 0; t < 4; ++t) o[t] = _mm512_loadu_ps(op + 16 * t);
-    int4_epilogue64(s, zc, xq.sx[(m0 + i) * G + g], xq.xs[(m0 + i) * G + g], acc[i], o);
-    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(op + 16 * t, o[t]);
+    float* op = out + (m0 + i) * R * 64;
+    __m512 o[R][4];
+    for (int q = 0; q < R; ++q)
+      for (int t = 0; t < 4; ++t) o[q][t] = _mm512_loadu_ps(op + q * 64 + 16 * t);
+    const float sx = xq.sx[(m0 + i) * G + g], xs = xq.xs[(m0 + i) * G + g];
+    if constexpr (Affine) int4_affine_group64(s, zc, sx, xs, P::offset, acc[i], o[0], o[1], o[2]);
+    else int4_epilogue64(s, zc, sx, xs, acc[i], o[0]);
+    for (int q = 0; q < R; ++q)
+      for (int t = 0; t < 4; ++t) _mm512_storeu_ps(op + q * 64 + 16 * t, o[q][t]);
   }
 }
 
-// y[:, n0:n0+64] for weight rows n0..n0+63 (two full blocks), all M activation rows. One row:
-// the outputs stay in registers over the groups; more: per group, tiles of up to kMaxTile64 rows
-// share each decoded code vector.
+// y[:, n0:n0+64] for weight rows n0..n0+63 (two full blocks), all M activation rows (XS: each
+// row's xs summed over its groups, for an affine provider). One row: the outputs stay in
+// registers over the groups; more: per group, tiles of up to kMaxTile64 rows share each decoded
+// code vector.
 template <class P>
-void int4_step64(const Int16Rows& xq, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N, int64_t K,
-                 int64_t gs, int64_t n0, std::vector<float>& out) {
+void int4_step64(const Int16Rows& xq, const uint8_t* w, const P& params, const float* XS, float* y, int64_t M,
+                 int64_t N, int64_t K, int64_t gs, int64_t n0, std::vector<float>& out) {
+  constexpr bool Affine = P::kAffine;
+  constexpr int R = Affine ? 3 : 1;
   const int64_t G = K / gs;
   const uint8_t* a = w + n0 * K / 2;
   const uint8_t* b = a + 32 * K / 2;
   __m512 s[4], zc[4];
+  auto group_params = [&](int64_t g) {
+    if constexpr (Affine) params.indices64(g, n0, s, zc);
+    else int4_params64(params, g, n0, s, zc);
+  };
   if (M == 1) {
     const int16_t* xc[1] = {xq.codes.data()};
-    __m512 o[4];
-    for (int t = 0; t < 4; ++t) o[t] = _mm512_setzero_ps();
+    __m512 o[4], AU[4], BX[4];
+    for (int t = 0; t < 4; ++t) o[t] = AU[t] = BX[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       int4_prefetch_params(params, G, g, n0, 64);
       __m512i acc[1][4];
       int4_group_isums64<1>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc, true);
-      int4_params64(params, g, n0, s, zc);
-      int4_epilogue64(s, zc, xq.sx[g], xq.xs[g], acc[0], o);
+      group_params(g);
+      if constexpr (Affine) int4_affine_group64(s, zc, xq.sx[g], xq.xs[g], P::offset, acc[0], o, AU, BX);
+      else int4_epilogue64(s, zc, xq.sx[g], xq.xs[g], acc[0], o);
     }
-    int4_store64(y + n0, o);
+    if constexpr (Affine) int4_affine_store64(params, n0, XS[0], o, AU, BX, y + n0);
+    else int4_store64(y + n0, o);
     return;
   }
-  out.assign(M * 64, 0.f);
+  out.assign(M * R * 64, 0.f);
   for (int64_t g = 0; g < G; ++g) {
     int4_prefetch_params(params, G, g, n0, 64);
-    int4_params64(params, g, n0, s, zc);
+    group_params(g);
     for (int64_t m0 = 0; m0 < M; m0 += kMaxTile64) {
       switch (std::min<int64_t>(kMaxTile64, M - m0)) {
-        case 1: int4_tile64<1>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
-        case 2: int4_tile64<2>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
-        case 3: int4_tile64<3>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
-        default: int4_tile64<kMaxTile64>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+        case 1: int4_tile64<1, Affine, P>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+        case 2: int4_tile64<2, Affine, P>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+        case 3: int4_tile64<3, Affine, P>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
+        default: int4_tile64<kMaxTile64, Affine, P>(xq, a, b, s, zc, m0, K, G, g, gs, out.data()); break;
       }
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    __m512 o[4];
-    for (int t = 0; t < 4; ++t) o[t] = _mm512_loadu_ps(out.data() + m * 64 + 16 * t);
-    int4_store64(y + m * N + n0, o);
+    const float* op = out.data() + m * R * 64;
+    __m512 o[R][4];
+    for (int q = 0; q < R; ++q)
+      for (int t = 0; t < 4; ++t) o[q][t] = _mm512_loadu_ps(op + q * 64 + 16 * t);
+    if constexpr (Affine) int4_affine_store64(params, n0, XS[m], o[0], o[1], o[2], y + m * N + n0);
+    else int4_store64(y + m * N + n0, o[0]);
   }
 }
 #endif

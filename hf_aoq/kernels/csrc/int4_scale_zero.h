@@ -26,6 +26,7 @@ inline void deinterleave8(__m256 a, __m256 b, float* s, float* z) {
 template <typename T>
 struct ScaleZeroParams {
   static constexpr float offset = 8.f;
+  static constexpr bool kAffine = false;  // int4_pairs.h: its own scale and zero per group
   const T* sz;
   int64_t N;
   void operator()(int64_t g, int64_t n0, int64_t rows, float* s, float* z) const {

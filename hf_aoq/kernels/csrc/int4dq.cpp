@@ -138,21 +138,38 @@ RowFields row_fields(const torch::Tensor& rparams, const torch::Tensor& tparams)
 }
 
 // The int4 kernels' parameter provider for Int4DQTensor: d and c of rows [n0, n0 + rows) in
-// group g from gparams_t [G, N] (one group's bytes contiguous over rows) and the decoded rows,
-// held as four arrays (dlo, dstep, clo, cstep) so that the loop over rows vectorizes.
+// group g from the CPU packing's group bytes (gp, below) and the decoded rows, held as four
+// arrays (dlo, dstep, clo, cstep) so that the loop over rows vectorizes.
+//
+// gp: the group bytes in chunks of 64 rows, each chunk's [G, rows] contiguous (the last chunk
+// holds the N % 64 rows left, if any), so that a 64-row step of the GEMV reads its groups' bytes
+// as one stream. Transposed to [G, N] (a page or more between one group's bytes and the next's
+// at N >= 4096), the same bytes cost the batch-1 GEMV 7-8% of its time from DRAM on the Xeon.
+//
+// kAffine: d and c are affine in the group's 4-bit indices a and b, so the integer GEMV
+// (int4_pairs.h) sums sx * acc - offset * xs, its product with a, and b * xs over the groups
+// and applies each row's dlo, dstep, clo and cstep once at the end, instead of making d and c
+// per group (int4_affine_* there).
 struct DQParams {
   static constexpr float offset = 7.5f;
-  const uint8_t* gp;  // [G, N]
+  static constexpr bool kAffine = true;
+  const uint8_t* gp;
   const float* dlo;
   const float* dstep;
   const float* clo;
   const float* cstep;
   int64_t N;
   // dlo, dstep, clo, cstep again (4 arrays N apart), rows [64c, 64c + 64) in int4_pairs512.h's
-  // 64-row lane order; for block64.
+  // 64-row lane order; for int4_affine_store64.
   const float* rows64;
+  int64_t G;
+  // Group g's bytes of rows n0.. (the rows inside one 64-row chunk).
+  const uint8_t* bytes(int64_t g, int64_t n0) const {
+    const int64_t c0 = n0 / 64 * 64;
+    return gp + c0 * G + g * std::min<int64_t>(64, N - c0) + (n0 - c0);
+  }
   void operator()(int64_t g, int64_t n0, int64_t rows, float* __restrict d, float* __restrict c) const {
-    const uint8_t* __restrict p = gp + g * N + n0;
+    const uint8_t* __restrict p = bytes(g, n0);
     const float* __restrict l0 = dlo + n0;
     const float* __restrict s0 = dstep + n0;
     const float* __restrict l1 = clo + n0;
@@ -175,23 +192,38 @@ struct DQParams {
       c[r] = l1[r] + b * s1[r];
     }
   }
-  // Brings group g's parameter bytes of rows n0..n0+63 towards the core (int4_prefetch_params).
-  void prefetch64(int64_t g, int64_t n0) const { int4_prefetch(gp + g * N + n0); }
+  // The indices a and b of rows [n0, n0 + rows) in group g, as float32.
+  void indices(int64_t g, int64_t n0, int64_t rows, float* __restrict a, float* __restrict b) const {
+    const uint8_t* __restrict p = bytes(g, n0);
+#if defined(__AVX2__)
+    if (rows == BLOCK_N) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j)));
+        _mm256_storeu_ps(a + 8 * j, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))));
+        _mm256_storeu_ps(b + 8 * j, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+      }
+      return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+      a[r] = static_cast<float>(p[r] & 15);
+      b[r] = static_cast<float>(p[r] >> 4);
+    }
+  }
+  // Brings group g's bytes of rows n0..n0+63 towards the core (int4_prefetch_params).
+  void prefetch64(int64_t g, int64_t n0) const { int4_prefetch(bytes(g, n0)); }
 #if HF_AOQ_INT4_512
-  // d and c of rows n0..n0+63 (n0 a multiple of 64) in the 64-row lane order, by the same
-  // multiply and add.
-  void block64(int64_t g, int64_t n0, __m512* d, __m512* c) const {
-    const uint8_t* p = gp + g * N + n0;
-    const float* r = rows64 + n0;
+  // a and b of rows n0..n0+63 (a whole chunk) in the 64-row lane order: each byte's nibble
+  // picks its value from the lanes of 0..15 (vpermps reads an index's low 4 bits).
+  void indices64(int64_t g, int64_t n0, __m512* a, __m512* b) const {
+    const uint8_t* p = gp + n0 * G + g * 64;
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int t = 0; t < 4; ++t) {
       const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * t)),
                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 8 * t)));
       const __m512i v = _mm512_cvtepu8_epi32(bytes);
-      const __m512 a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-      const __m512 b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-      const float* q = r + 16 * t;
-      d[t] = _mm512_add_ps(_mm512_loadu_ps(q), _mm512_mul_ps(a, _mm512_loadu_ps(q + N)));
-      c[t] = _mm512_add_ps(_mm512_loadu_ps(q + 2 * N), _mm512_mul_ps(b, _mm512_loadu_ps(q + 3 * N)));
+      a[t] = _mm512_permutexvar_ps(v, values);
+      b[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
     }
   }
 #endif
@@ -244,7 +276,7 @@ torch::Tensor dq_row_table(const torch::Tensor& rparams, const torch::Tensor& tp
 // `rows` keeps the decoded row parameters it points into alive: the caller's `table`
 // (int4dq_cpu_rows, made once per weight) where given, else decoded here, per call (as under
 // torch.compile: 1.2-1.5 ns a row on the Xeon, 6.5 us a call at N = 5632).
-DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, const torch::Tensor& rparams,
+DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams, const torch::Tensor& rparams,
                    const torch::Tensor& tparams, int64_t group_size, torch::Tensor& rows,
                    const c10::optional<torch::Tensor>& table = c10::nullopt) {
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
@@ -252,9 +284,9 @@ DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, 
               "packed: contiguous uint8 [N, Kp/2]");
   TORCH_CHECK(N % 16 == 0, "N must be a multiple of 16");
   TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && K % group_size == 0, "Kp must be a multiple of an even group_size");
-  TORCH_CHECK(gparams_t.dtype() == torch::kUInt8 && gparams_t.dim() == 2 && gparams_t.size(0) == K / group_size &&
-                  gparams_t.size(1) == N && gparams_t.is_contiguous(),
-              "gparams_t: contiguous uint8 [Kp/group_size, N]");
+  TORCH_CHECK(gparams.dtype() == torch::kUInt8 && gparams.dim() == 1 && gparams.numel() == K / group_size * N &&
+                  gparams.is_contiguous(),
+              "gparams: contiguous uint8 [Kp/group_size * N] in 64-row chunks (DQParams)");
   TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
   if (table.has_value() && table->defined()) {
     TORCH_CHECK(table->dtype() == torch::kFloat32 && table->dim() == 2 && table->size(0) == 8 && table->size(1) == N &&
@@ -265,32 +297,32 @@ DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams_t, 
     rows = dq_row_table(rparams, tparams);
   }
   float* rp = rows.data_ptr<float>();
-  return DQParams{gparams_t.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N, rp + 4 * N};
+  return DQParams{gparams.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N, rp + 4 * N, K / group_size};
 }
 
 }  // namespace
 
 // x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
 // packed: uint8 [N, Kp/2] in the pairs layout (int4_repack_pairs of the canonical codes);
-// gparams_t: uint8 [Kp/group_size, N] contiguous (the canonical gparams transposed); rparams:
+// gparams: uint8 [Kp/group_size * N], the canonical gparams in 64-row chunks (DQParams); rparams:
 // uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: through int16 activation codes
 // when int16_activations, else the float32 GEMV at up to gemv_max_rows rows and above them chunks
 // dequantized exactly as the format defines and float32 GEMM.
-torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
-  return int4dq_linear_rows(x, packed, gparams_t, rparams, tparams, group_size, gemv_max_rows, int16_activations,
+  return int4dq_linear_rows(x, packed, gparams, rparams, tparams, group_size, gemv_max_rows, int16_activations,
                             c10::nullopt);
 }
 
 // int4dq_linear with the decoded row table (int4dq_cpu_rows) when given.
-torch::Tensor int4dq_linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                  torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations,
                                  c10::optional<torch::Tensor> table) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.numel() * 2 == N * K, "packed: [N, Kp/2] for x's Kp");
   torch::Tensor rows;
-  const DQParams params = dq_params(packed, gparams_t, rparams, tparams, group_size, rows, table);
+  const DQParams params = dq_params(packed, gparams, rparams, tparams, group_size, rows, table);
   auto y = torch::empty({M, N}, x.options());
   int4_linear(x, packed.data_ptr<uint8_t>(), params, y, N, group_size, gemv_max_rows, int16_activations);
   return y;
@@ -302,21 +334,21 @@ torch::Tensor int4dq_cpu_rows(torch::Tensor rparams, torch::Tensor tparams) { re
 
 // The weight [N, k] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
 // for aten's GEMM in that dtype at many rows. Arguments as for int4dq_linear; k <= Kp.
-torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, int64_t k, torch::ScalarType dtype) {
   torch::Tensor rows;
-  const DQParams params = dq_params(packed, gparams_t, rparams, tparams, group_size, rows);
+  const DQParams params = dq_params(packed, gparams, rparams, tparams, group_size, rows);
   return int4_dequant_weight(packed.data_ptr<uint8_t>(), params, packed.size(0), packed.size(1) * 2, group_size, k, dtype);
 }
 
 // x: bfloat16 [M, k], k <= Kp; the weight's arguments as for int4dq_linear, N a multiple of 32,
 // Kp of 32. F.linear in bf16 on AMX tiles (amx_gemm.h): the weight's bf16 values are the
 // reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
-torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams_t, torch::Tensor rparams,
+torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias) {
   check_amx_usable();
   torch::Tensor rows;
-  const DQParams params = dq_params(packed, gparams_t, rparams, tparams, group_size, rows);
+  const DQParams params = dq_params(packed, gparams, rparams, tparams, group_size, rows);
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and Kp multiples of 32, got ", N, " x ", K);
   const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
