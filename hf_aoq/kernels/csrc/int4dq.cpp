@@ -143,8 +143,9 @@ RowFields row_fields(const torch::Tensor& rparams, const torch::Tensor& tparams)
 //
 // gp: the group bytes in chunks of 64 rows, each chunk's [G, rows] contiguous (the last chunk
 // holds the N % 64 rows left, if any), so that a 64-row step of the GEMV reads its groups' bytes
-// as one stream. Transposed to [G, N] (a page or more between one group's bytes and the next's
-// at N >= 4096), the same bytes cost the batch-1 GEMV 7-8% of its time from DRAM on the Xeon.
+// as one stream. With the affine epilogue below, the batch-1 GEMV from DRAM took 6-7% less time
+// on the Xeon than with the bytes as [G, N] (a page or more between one group's bytes and the
+// next's at N >= 4096); neither change alone moved it (docs/performance.md).
 //
 // kAffine: d and c are affine in the group's 4-bit indices a and b, so the integer GEMV
 // (int4_pairs.h) sums sx * acc - offset * xs, its product with a, and b * xs over the groups
