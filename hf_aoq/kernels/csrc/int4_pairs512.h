@@ -6,10 +6,11 @@
 // vector t holding rows 8t..8t+7 of A in lanes 0-7 and of B in lanes 8-15 (the "64-row lane
 // order"). Every per-group step then covers 16 rows per instruction where the AVX2 code covers 8:
 // the integer multiply-adds (vpdpwssd), and above all the group's parameters and epilogue, which
-// dominate at groups of 32 (the providers' `block64` produces scale and zero straight in this
-// lane order). Per output the operations are those of the AVX2 code, in the same order (exact
-// int32 sums, then int4_epilogue16's multiplies and adds, group after group), so both builds
-// still give the same outputs bit for bit.
+// dominate at groups of 32 (Int4Tensor's provider's `block64` produces scale and zero, Int4DQ's
+// `indices64` its group indices, straight in this lane order). Per output the operations are
+// those of the AVX2 code, in the same order (exact int32 sums, then int4_epilogue16's multiplies
+// and adds, or for Int4DQ int4_affine_group16's sums and int4_affine_store16's end, group after
+// group), so both builds still give the same outputs bit for bit.
 // Internal linkage (an anonymous namespace), as in every header here.
 #pragma once
 #include <algorithm>
