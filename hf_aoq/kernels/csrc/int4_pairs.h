@@ -387,9 +387,8 @@ void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, f
   // P::kAffine: the activation rows' xs summed over their groups, and per output three sums
   // (U, AU, BX: `out` holds them [M][3][rows]) instead of one.
   constexpr int64_t R = P::kAffine ? 3 : 1;
-  std::vector<float> XS(M);
-  if constexpr (P::kAffine)
-    for (int64_t m = 0; m < M; ++m) XS[m] = int4_row_xsum(xq, m, G);
+  std::vector<float> XS(P::kAffine ? M : 0);  // no allocation per call for the other providers
+  for (int64_t m = 0; m < int64_t(XS.size()); ++m) XS[m] = int4_row_xsum(xq, m, G);
   at::parallel_for(0, (NB + step - 1) / step, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> out(M * R * BLOCK_N), out64;
     alignas(32) float s[BLOCK_N], z[BLOCK_N];

@@ -217,7 +217,7 @@ struct DQParams {
   // a and b of rows n0..n0+63 (a whole chunk) in the 64-row lane order: each byte's nibble
   // picks its value from the lanes of 0..15 (vpermps reads an index's low 4 bits).
   void indices64(int64_t g, int64_t n0, __m512* a, __m512* b) const {
-    const uint8_t* p = gp + n0 * G + g * 64;
+    const uint8_t* p = bytes(g, n0);
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int t = 0; t < 4; ++t) {
       const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * t)),
