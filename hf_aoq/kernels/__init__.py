@@ -18,7 +18,8 @@ every type, every packing, every device; what tests compare against), cpu.py (at
 and int8 kernels and hf_aoq's own C++ ones, csrc/), cuda.py (tinygemm, `_int_mm`,
 `_scaled_mm`; tinygemm_layout.py transcribes tinygemm's int4 layout), triton_kernels.py (Triton
 kernels, triton_jit.py, where triton is installed). Adding a kernel is one `register_kernel` row in its backend's file (plus a
-`register_packing` if it reads a layout of its own); adding a tensor type adds its name to
+`register_packing` if it reads a layout of its own); `place()` also puts a weight's large CPU
+buffers on transparent huge pages (hugepages.py); adding a tensor type adds its name to
 reference.TYPES and its rows, nothing else here. Kernels see weights only through their
 declared fields (`w.qdata`, `w.scale`, ...), so this package imports no tensor type.
 Quantize-time work that has a C++ version (search.py) is reached through one function each,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from .hugepages import fields_on_huge_pages  # noqa: F401  (what place() does last, on CPU)
 from .registry import (  # noqa: F401  (the public surface of the table)
     ANY,
     CANONICAL,

@@ -166,9 +166,13 @@ class DevicePacked:
         return kernels.get_packing(self.packing).unpack(self)
 
     def place(self):
-        if len(self.shape) == 3:
+        """Packed for this device's best kernel, large CPU buffers on huge pages (BlockGridTensor)."""
+        return kernels.fields_on_huge_pages(self._packed_for_device())
+
+    def _packed_for_device(self):
+        if len(self.shape) == 3:  # each expert packed as a linear's weight, then stacked
             from .experts import map_experts
-            return map_experts(self.to_canonical(), lambda e: e.place())
+            return map_experts(self.to_canonical(), lambda e: e._packed_for_device())
         canonical = self.to_canonical()
         packing = kernels.best_packing(canonical)
         if packing is None:
@@ -191,6 +195,11 @@ class BlockGridTensor(AOQTensor):
 
     codes_per_byte: ClassVar[int] = 1
     transposable: ClassVar[bool] = False
+
+    def place(self):
+        """Large CPU buffers on transparent huge pages (kernels/hugepages.py); the types with
+        device packings (DevicePacked) repack first."""
+        return kernels.fields_on_huge_pages(self)
 
     def quantize_input(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} does not quantize activations")
