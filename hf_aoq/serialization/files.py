@@ -183,7 +183,8 @@ def load_file(path, device: str | torch.device = "cpu") -> dict[str, torch.Tenso
     placed for that device's fastest kernel. Never unpickles anything.
 
     On CPU the tensors view a private map of the file (pages are read when first used); a
-    quantized tensor whose `place()` repacks it gets its own memory."""
+    quantized tensor whose `place()` repacks it, or puts its large buffers on huge pages
+    (kernels/hugepages.py), gets its own memory."""
     with gc_paused():  # the whole load: see gc_paused
         return _placed(read_shards([os.fspath(path)]).state_dict(), device)
 

@@ -115,3 +115,16 @@ def test_place_fused_experts_stacks_once_onto_huge_pages():
     placed = q.place()
     assert placed.shape == q.shape and placed.qdata.data_ptr() % hugepages.HUGE_PAGE == 0
     assert torch.equal(placed.to_canonical().dequantize(), q.dequantize())
+
+
+@needs_thp
+def test_saved_and_loaded_weights_round_trip(tmp_path):
+    from hf_aoq.serialization import load_file, save_file
+
+    torch.manual_seed(0)
+    q = Float8Tensor.from_float(torch.randn(2048, 1536, dtype=torch.bfloat16)).place()  # 3 MB of codes
+    assert q.qdata.data_ptr() % hugepages.HUGE_PAGE == 0
+    save_file({"w": q}, tmp_path / "w.safetensors")
+    loaded = load_file(tmp_path / "w.safetensors")["w"]  # placed: out of the file's map, onto huge pages
+    assert loaded.qdata.data_ptr() % hugepages.HUGE_PAGE == 0 and "hg" in _mapping(loaded.qdata.data_ptr())["VmFlags"]
+    assert torch.equal(loaded.qdata.view(torch.uint8), q.qdata.view(torch.uint8)) and torch.equal(loaded.scale, q.scale)
