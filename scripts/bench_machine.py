@@ -102,6 +102,9 @@ def machine_info(a) -> dict:
 
         info.update(cpu_isa.describe())
         info["hf_aoq_extension_isa"] = cpu_ext.chosen_isa()
+        from hf_aoq.kernels import hugepages
+
+        info["weight_pages"] = hugepages.describe()
     except ImportError:
         pass
     return info

@@ -51,6 +51,16 @@ def available() -> bool:
     return sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE") and _thp_mode() in ("always", "madvise")
 
 
+def describe() -> str:
+    """Where placed weights live here, for reports: "2 MiB pages (THP madvise)" or "4 KiB pages (why)"."""
+    if available():
+        return f"2 MiB pages (THP {_thp_mode()})"
+    if os.environ.get("HF_AOQ_HUGE_PAGES", "1") == "0":
+        return "4 KiB pages (HF_AOQ_HUGE_PAGES=0)"
+    mode = _thp_mode()
+    return f"4 KiB pages (THP {mode})" if mode else "4 KiB pages (no transparent huge pages)"
+
+
 def is_on_huge_pages(t: torch.Tensor) -> bool:
     """Whether `t` is a contiguous CPU tensor starting on a huge-page boundary (what
     `on_huge_pages` returns for a large tensor, so placing twice copies once)."""

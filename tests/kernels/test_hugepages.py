@@ -128,3 +128,26 @@ def test_saved_and_loaded_weights_round_trip(tmp_path):
     loaded = load_file(tmp_path / "w.safetensors")["w"]  # placed: out of the file's map, onto huge pages
     assert loaded.qdata.data_ptr() % hugepages.HUGE_PAGE == 0 and "hg" in _mapping(loaded.qdata.data_ptr())["VmFlags"]
     assert torch.equal(loaded.qdata.view(torch.uint8), q.qdata.view(torch.uint8)) and torch.equal(loaded.scale, q.scale)
+
+
+def test_describe_says_which_pages(monkeypatch, tmp_path):
+    f = tmp_path / "enabled"
+    monkeypatch.setattr(hugepages, "_THP_MODE", str(f))
+    try:
+        f.write_text("always [madvise] never")
+        hugepages.available.cache_clear()
+        expected = "2 MiB pages (THP madvise)" if hugepages.available() else "4 KiB pages (THP madvise)"
+        assert hugepages.describe() == expected  # the latter off Linux
+        f.write_text("always madvise [never]")
+        hugepages.available.cache_clear()
+        assert hugepages.describe() == "4 KiB pages (THP never)"
+        monkeypatch.setenv("HF_AOQ_HUGE_PAGES", "0")
+        hugepages.available.cache_clear()
+        assert hugepages.describe() == "4 KiB pages (HF_AOQ_HUGE_PAGES=0)"
+        monkeypatch.delenv("HF_AOQ_HUGE_PAGES")
+        f.unlink()
+        hugepages.available.cache_clear()
+        assert hugepages.describe() == "4 KiB pages (no transparent huge pages)"
+    finally:
+        monkeypatch.undo()
+        hugepages.available.cache_clear()
