@@ -4,8 +4,8 @@ Why: the CPU GEMVs read a block of weight rows as several interleaved streams an
 line they read, for the same line of the next block (simd.h): at 4 KiB pages those requests
 cross a page every few lines, and each new page is a TLB walk before the line can be fetched.
 Measured on the 2-vCPU AVX-512 Xeon VM (weights cycled from DRAM, batch 1, [5632, 2048]): int8
-536-598 -> 523-530 us a call, float8 563-577 -> 526-535; a 22-layer model's decode 3-4% (int8)
-and 7-11% (float8) faster (docs/performance.md, "Huge pages for the weights"). The cost is one
+536-598 -> 523-530 us a call, float8 563-577 -> 526-535; a 22-layer model's decode 0.5-4% (int8)
+and 4-11% (float8) faster in three old/new pairs (docs/performance.md, "Huge pages for the weights"). The cost is one
 copy of the codes at load.
 torch's CPU allocator asks for huge pages only under THP_MEM_ALLOC_ENABLE=1, and Linux's default
 THP mode on most distributions is "madvise" (huge pages only where a program asks).
