@@ -67,13 +67,16 @@ def is_on_huge_pages(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % HUGE_PAGE == 0
 
 
+def _to_move(t: torch.Tensor) -> bool:
+    """A large CPU buffer not yet on huge pages (given that `available()`)."""
+    return t.device.type == "cpu" and t.nbytes >= HUGE_PAGE and not t.requires_grad and not is_on_huge_pages(t)
+
+
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """`t`'s values in a buffer on huge pages (see the module docstring), or `t` contiguous and
-    aligned where that does not apply."""
-    if t.device.type != "cpu" or t.nbytes < HUGE_PAGE or not available() or t.requires_grad:
+    aligned where that does not apply (a tensor already on huge pages comes back as it is)."""
+    if not available() or not _to_move(t):
         return aligned_contiguous(t)
-    if is_on_huge_pages(t):
-        return t
     nbytes = t.nbytes
     try:
         # One huge page more than needed, so that a 2 MiB-aligned start lies inside; the pages
@@ -95,6 +98,5 @@ def fields_on_huge_pages(w):
     moves."""
     if not available():
         return w
-    moved = {n: on_huge_pages(t) for n, t in w.tensor_fields().items()
-             if t.device.type == "cpu" and t.nbytes >= HUGE_PAGE and not is_on_huge_pages(t)}
+    moved = {n: on_huge_pages(t) for n, t in w.tensor_fields().items() if _to_move(t)}
     return w.replace(**moved) if moved else w
