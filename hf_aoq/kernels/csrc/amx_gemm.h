@@ -45,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__x86_64__) && \
@@ -114,6 +115,45 @@ inline void amx_configure() {
   _tile_loadconfig(&c);
 }
 
+// Where a block's weight bytes for k in [k0, k1) lie (each panel writer's bytes()): `rows` runs of
+// `bytes` bytes, `stride` apart.
+struct AmxWeightBytes {
+  const void* base = nullptr;
+  int64_t rows = 0, stride = 0, bytes = 0;
+};
+
+// Asks for the next block's weight bytes (into L2) a few lines per tile step while this block is
+// multiplied, so that they arrive while the tiles work and the panel writer finds them there.
+// Asked for from inside the panel writer instead (the next block's line beside each line read:
+// all of them within the writing, a short time at many rows), they arrived late: in a standalone
+// copy of this loop at 256 rows (int8, [5632, 2048], 2-vCPU Xeon) 4.9 ms a weight against 3.7
+// spread over the tiles, and 2.0 with no panel written at all. The int4 pairs asked for nothing.
+class AmxPrefetcher {
+ public:
+  // The bytes to ask for while the coming block is multiplied (nothing when w.base is null).
+  void start(const AmxWeightBytes& w) {
+    src_ = w;
+    per_row_ = (w.bytes + 63) / 64;
+    total_ = w.base ? w.rows * per_row_ : 0;
+    next_ = stop_ = per_step_ = 0;
+  }
+  // Lines up to the fraction part / parts of the total, spread over `steps` tile steps.
+  void share(int64_t part, int64_t parts, int64_t steps) {
+    stop_ = total_ * part / parts;
+    per_step_ = steps > 0 ? (stop_ - next_ + steps - 1) / steps : 0;
+  }
+  void step() {
+    for (int64_t e = 0; e < per_step_ && next_ < stop_; ++e, ++next_) {
+      const int64_t r = next_ / per_row_, j = next_ % per_row_;
+      _mm_prefetch(static_cast<const char*>(src_.base) + r * src_.stride + 64 * j, _MM_HINT_T1);
+    }
+  }
+
+ private:
+  AmxWeightBytes src_;
+  int64_t per_row_ = 0, total_ = 0, next_ = 0, stop_ = 0, per_step_ = 0;
+};
+
 // r[i] (16 lanes of 32 bits) -> r[j] lane i = old r[i] lane j.
 inline void transpose16x16_epi32(__m512i* r) {
   __m512i t[16];
@@ -146,6 +186,7 @@ inline void transpose16x16_epi32(__m512i* r) {
 template <typename T, class Lanes>
 struct RowScalePanel {
   static constexpr bool kWeightRows = true;
+  static constexpr bool kAsksAhead = true;
   using Elem = uint16_t;
   const T* q;
   const float* scale;
@@ -154,12 +195,13 @@ struct RowScalePanel {
   // A step (32 k) at a time over the 32 rows, two steps per row while they last (a whole 64-byte
   // line of one-byte codes): the stores then fill each step's 2 KB in order. Row by row, the
   // stores went to lines 2 KB apart (two L1 sets) and the panel took twice as long.
-  // Each row's line is read with the same line of the row 32 further on asked for (into L2: a
-  // block's chunk is 32 x (k1 - k0) bytes, larger than L1), the next block's, which this thread
-  // writes next (amx_linear_tiles): 32 short row streams kept the hardware prefetcher behind, as
-  // in the GEMVs (simd.h). Int8 [5632, 2048] from DRAM on the 2-vCPU Xeon: 16 rows 1.32-1.35 ->
-  // 0.95-1.02 ms a weight, 256 rows 3.62 -> 3.39 ms; [2048, 5632] within the runs' noise.
-  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
+  // The rows' bytes are asked for ahead (32 short row streams keep the hardware prefetcher
+  // behind, as in the GEMVs, simd.h): with `ahead`, the next block's line beside each line read,
+  // else by amx_linear_tiles during the tiles (AmxPrefetcher, from bytes()).
+  AmxWeightBytes bytes(int64_t n0, int64_t k0, int64_t k1) const {
+    return {q + n0 * K + k0, kAmxBlockN, K * int64_t(sizeof(T)), (k1 - k0) * int64_t(sizeof(T))};
+  }
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out, bool ahead) const {
     __m512 sv[kAmxBlockN];
     for (int r = 0; r < kAmxBlockN; ++r) sv[r] = _mm512_set1_ps(scale[n0 + r]);
     auto step = [&](const T* row, __m512 s, uint16_t* o) {
@@ -170,7 +212,7 @@ struct RowScalePanel {
       uint16_t* o = out + (k - k0) * 32;
       for (int r = 0; r < kAmxBlockN; ++r) {
         const T* row = q + (n0 + r) * K + k;
-        _mm_prefetch(reinterpret_cast<const char*>(row + kAmxBlockN * K), _MM_HINT_T1);
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(row + kAmxBlockN * K), _MM_HINT_T1);
         step(row, sv[r], o + r * 32);
         step(row + 32, sv[r], o + 1024 + r * 32);
       }
@@ -189,11 +231,14 @@ struct RowScalePanel {
 template <class P>
 struct Int4PairsPanel {
   static constexpr bool kWeightRows = false;
+  static constexpr bool kAsksAhead = false;
   using Elem = uint32_t;
   const uint8_t* w;  // the pairs layout, full blocks of 32 rows
   P params;
   int64_t K, gs;
-  void operator()(int64_t n0, int64_t k0, int64_t k1, uint32_t* panel) const {
+  // A block's chunk of k is one run: 16 bytes per k (its 32 rows' codes).
+  AmxWeightBytes bytes(int64_t n0, int64_t k0, int64_t k1) const { return {w + n0 * K / 2 + k0 * 16, 1, 0, (k1 - k0) * 16}; }
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint32_t* panel, bool /*ahead*/) const {
     const uint8_t* blk = w + n0 * K / 2;
     alignas(64) float s[32], z[32];
     const __m512 table = _mm512_sub_ps(
@@ -230,27 +275,59 @@ struct Int4PairsPanel {
 // * 32 + r) * 64 + k % 64], a step's two A tiles one contiguous 2 KB (as RowScalePanel's).
 struct Int8RowsPanel {
   static constexpr bool kWeightRows = true;
+  static constexpr bool kAsksAhead = false;
   using Elem = uint8_t;
   const int8_t* q;
   int64_t K;
-  void operator()(int64_t n0, int64_t k0, int64_t k1, uint8_t* out) const {
+  AmxWeightBytes bytes(int64_t n0, int64_t k0, int64_t k1) const { return {q + n0 * K + k0, kAmxBlockN, K, k1 - k0}; }
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint8_t* out, bool /*ahead*/) const {
     for (int64_t k = k0; k < k1; k += 64)
       for (int r = 0; r < kAmxBlockN; ++r)
         _mm512_storeu_si512(out + (k - k0) * 32 + r * 64, _mm512_loadu_si512(q + (n0 + r) * K + k));
   }
 };
 
-// A growable buffer whose data starts on a 64-byte line. Tile loads of 64-byte rows from memory
-// that std::vector left 16 bytes off a line (malloc's alignment; where it lands varied from
-// process to process) touch two lines a row: the same call took 1.5-1.7x as long in such runs.
+// A growable buffer whose data starts on a 64-byte line, left uninitialised (its users write
+// every value they read), and kept by its owner between calls unless larger than kAmxKeepBytes
+// (release()). Each call's x blocks, panel and sums used to be fresh zero-filled vectors: a call
+// with one block of 32 columns (K = 2048) took 155 us at 256 rows and 35 at 16, now 112 and 20.
+// Tile loads of 64-byte rows from memory 16 bytes off a line (malloc's alignment; where it landed
+// varied from process to process) touch two lines a row: the same call took 1.5-1.7x as long.
+constexpr size_t kAmxKeepBytes = size_t(8) << 20;
 template <typename T>
-struct AmxBuffer {
-  std::vector<T> raw;
+class AmxBuffer {
+ public:
   T* resize(size_t n) {
-    raw.resize(n + 64 / sizeof(T));
-    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+    if (n > cap_) {
+      raw_.reset();
+      raw_.reset(new T[n + 64 / sizeof(T)]);  // default-initialised: not zeroed
+      cap_ = n;
+    }
+    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw_.get()) + 63) & ~uintptr_t(63));
   }
+  // Frees the memory if it is more than a call should keep.
+  void release() {
+    if (cap_ * sizeof(T) > kAmxKeepBytes) {
+      raw_.reset();
+      cap_ = 0;
+    }
+  }
+
+ private:
+  std::unique_ptr<T[]> raw_;
+  size_t cap_ = 0;
 };
+
+// A thread's buffers for amx_linear_tiles, whatever the format: the caller's x blocks, and each
+// worker's panel and sums (one set per thread in each source file that includes this header).
+struct AmxScratch {
+  AmxBuffer<uint32_t> x, panel;
+  AmxBuffer<float> sums;
+};
+inline AmxScratch& amx_scratch() {
+  static thread_local AmxScratch s;
+  return s;
+}
 
 // The k of each chunk: all of K when rows x K x bytes fits kAmxChunkBytes, else K split into as
 // few chunks as keep each near that size, of even length in multiples of `align` (a multiple of
@@ -324,9 +401,11 @@ inline void amx_load_sums(const float* c) {
 // One block's multiply over k in [k0, k1): x's 32-row block at a (k-lanes or rows, as packed for
 // the side it takes) against the panel w, into the sum tiles (zeroed first, or loaded from acc),
 // stored to out. kHalf: the block's activation rows past 16 are all padding, so the tiles of rows
-// 16-31 are neither loaded nor multiplied (half the tile work at 1-16 rows and in tails).
+// 16-31 are neither loaded nor multiplied (half the tile work at 1-16 rows and in tails). pf asks
+// for its share of the next block's weight a few lines a step.
 template <int kBytes, bool kWeightRows, bool kHalf>
-inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t k1, const float* acc, float* out) {
+inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t k1, const float* acc, float* out,
+                      AmxPrefetcher& pf) {
   constexpr int64_t lanes_per_k = 4 / kBytes;
   if (acc == nullptr) {
     _tile_zero(0);
@@ -365,6 +444,7 @@ inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t 
       if (!kHalf || kWeightRows) _tile_dpbssd(2, 5, 6);
       if (!kHalf) _tile_dpbssd(3, 5, 7);
     }
+    pf.step();
   }
   amx_store_sums<kHalf, kWeightRows>(out);
 }
@@ -406,7 +486,10 @@ inline void amx_write_block(float* c, bool nm, const float* bias, int64_t n0, in
 // weight is written 32 output columns and a chunk of k [k0, k1) at a time by write_panel into a
 // buffer of Panel::Elem: where Panel::kWeightRows, the weight rows n0..n0+31 in steps of 64 bytes
 // (RowScalePanel's layout); else the k-lanes of 4 bytes of columns n0..n0+31 (panel[(p - p0) * 32
-// + j] = W[n0 + j]'s lane p). Each finished 32 x 32 block of sums goes to out(c, nm, n0, m0, rows):
+// + j] = W[n0 + j]'s lane p). write_panel(n0, k0, k1, out, ahead) also asks for the next block's
+// rows as it reads its own when `ahead` (only a writer with kAsksAhead does), and bytes(n0, k0, k1)
+// says where a block's weight bytes lie, for AmxPrefetcher. Each finished 32 x 32 block of sums
+// goes to out(c, nm, n0, m0, rows):
 // c holds the 4-byte sums, [n][m] when nm (the weight was A), else [m][n]. N a multiple of 32,
 // K x kBytes of 64, `align` of 64 / kBytes and of the format's group (chunks of k start at its
 // multiples).
@@ -417,7 +500,7 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
   constexpr bool rows_panel = Panel::kWeightRows;
   constexpr int64_t lanes_per_k = 4 / kBytes;  // k per 4-byte lane; a step is 16 lanes, 64 bytes
   // x once per call, blocked for the tiles (M x K x kBytes, small beside the weight at prefill).
-  AmxBuffer<uint32_t> xbuf;
+  AmxBuffer<uint32_t>& xbuf = amx_scratch().x;
   uint32_t* const xb = xbuf.resize((M + 31) / 32 * 32 * K / lanes_per_k);
   if (rows_panel)
     amx_pack_lanes(x, ldx, M, K * kBytes, xb);
@@ -427,15 +510,22 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     amx_configure();
     const int64_t mine = b1 - b0;
-    AmxBuffer<uint32_t> panel_buf;
-    AmxBuffer<float> sums_buf;  // [block][32-row block][32 x 32] across chunks of k
+    AmxBuffer<uint32_t>& panel_buf = amx_scratch().panel;
+    AmxBuffer<float>& sums_buf = amx_scratch().sums;  // [block][32-row block][32 x 32] across chunks of k
     float* sums = nullptr;
     alignas(64) float c[32 * 32];
+    AmxPrefetcher pf;
     for (int64_t mc0 = 0; mc0 < M; mc0 += kAmxMaxRows) {
       const int64_t mrows = std::min(kAmxMaxRows, M - mc0);
       const int64_t padded = (mrows + 31) / 32 * 32;
       const int64_t kc = amx_chunk_k(mrows, K, kBytes, align);
       const bool chunked = kc < K;
+      // At most 64 rows the tiles take little time beside the panel's writing: a row panel
+      // (kAsksAhead) then asks for the next block's rows as it reads its own, as it always did.
+      // Measured, [5632, 2048] from DRAM, 2-vCPU Xeon: float8 at 16 rows 1.25-1.27 ms that way
+      // against 1.36-1.38 asked during the tiles; the int4 pairs (which asked for nothing) 1.12-1.14
+      // -> 1.04-1.09 asked during the tiles.
+      const bool in_panel = Panel::kAsksAhead && padded <= 64;
       uint32_t* const panel = panel_buf.resize(kc / lanes_per_k * kAmxBlockN);
       if (chunked) sums = sums_buf.resize(mine * padded * kAmxBlockN);
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
@@ -443,24 +533,37 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
         const bool first = k0 == 0, last = k1 == K;
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n0 = b * kAmxBlockN;
-          write_panel(n0, k0, k1, reinterpret_cast<typename Panel::Elem*>(panel));
+          write_panel(n0, k0, k1, reinterpret_cast<typename Panel::Elem*>(panel), in_panel);
+          // While this block multiplies: the next block's bytes of this chunk of k, or after the
+          // last block the first block's of the next chunk (none after the last chunk).
+          if (in_panel)
+            pf.start({});
+          else if (b + 1 < b1)
+            pf.start(write_panel.bytes(n0 + kAmxBlockN, k0, k1));
+          else
+            pf.start(last ? AmxWeightBytes{} : write_panel.bytes(b0 * kAmxBlockN, k1, std::min(K, k1 + kc)));
           const uint32_t* w = panel;
+          const int64_t mblocks = padded / 32, steps = (k1 - k0) / (16 * lanes_per_k);
           for (int64_t m0 = 0; m0 < mrows; m0 += 32) {
             float* acc = chunked ? sums + ((b - b0) * padded + m0) * kAmxBlockN : nullptr;
             const uint32_t* a = xb + (mc0 + m0) / 32 * (K / lanes_per_k) * 32;
             const int64_t rows = std::min<int64_t>(32, mrows - m0);
             float* dst = last ? c : acc;
+            pf.share(m0 / 32 + 1, mblocks, steps);
             if (rows <= 16)
-              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, first ? nullptr : acc, dst);
+              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, first ? nullptr : acc, dst, pf);
             else
-              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, first ? nullptr : acc, dst);
+              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, first ? nullptr : acc, dst, pf);
             if (last) out(c, rows_panel, n0, mc0 + m0, rows);
           }
         }
       }
     }
     _tile_release();
+    panel_buf.release();
+    sums_buf.release();
   });
+  xbuf.release();
 }
 
 // y [M, N] bf16 = x [M, K] (bf16, rows ldx apart) W^T (+ bias, float32 [N] or null), the weight

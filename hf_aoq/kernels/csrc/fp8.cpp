@@ -243,11 +243,13 @@ struct Fp8Lanes {
 // intermediate floats are denormal for subnormal codes.
 struct Fp8Panel {
   static constexpr bool kWeightRows = true;
+  static constexpr bool kAsksAhead = true;
   using Elem = uint16_t;
   RowScalePanel<uint8_t, Fp8Lanes> rows;
-  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
+  AmxWeightBytes bytes(int64_t n0, int64_t k0, int64_t k1) const { return rows.bytes(n0, k0, k1); }
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out, bool ahead) const {
     DenormalsKept keep;
-    rows(n0, k0, k1, out);
+    rows(n0, k0, k1, out, ahead);
   }
 };
 #pragma GCC pop_options

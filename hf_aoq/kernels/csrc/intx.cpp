@@ -248,20 +248,24 @@ struct Codes16 {
 // n0..n0+31, k in [k0, k1) as bf16 in steps of 32 k, out[((k - k0) / 32 * 32 + r) * 32 + k % 32];
 // each value (q - o) * s (+ z) in float32 as IntxRows computes it, then rounded to bf16. A step at
 // a time over the 32 rows, so that the stores fill each step's 2 KB in order; each half step (16
-// codes, one group: groups are a multiple of 16 columns, K of 32) decoded by Codes16. Each row's
-// bytes are read with the same bytes of the row 32 further on asked for (into L2), the next
-// block's, as RowScalePanel does.
+// codes, one group: groups are a multiple of 16 columns, K of 32) decoded by Codes16. The rows'
+// bytes are asked for ahead as RowScalePanel's are: with `ahead`, the next block's beside each
+// row's, else by amx_linear_tiles (bytes()).
 template <int B>
 struct IntxRowsPanel {
   static constexpr bool kWeightRows = true;
+  static constexpr bool kAsksAhead = true;
   using Elem = uint16_t;
   const IntxWeight& w;
-  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out) const {
+  AmxWeightBytes bytes(int64_t n0, int64_t k0, int64_t k1) const {
+    return {w.q + n0 * w.row_bytes + k0 / 8 * B, kAmxBlockN, w.row_bytes, (k1 - k0) / 8 * B};
+  }
+  void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out, bool ahead) const {
     static const Codes16<B> codes16;
     const uint8_t* qend = w.q + w.N * w.row_bytes;
     const __m512 vo = _mm512_set1_ps(w.off);
     const bool has_zero = w.has_zero();
-    const int64_t ahead = kAmxBlockN * w.row_bytes, G = w.G;
+    const int64_t ahead_bytes = kAmxBlockN * w.row_bytes, G = w.G;
     // The 32 rows' scales and zeros, each row's as row_params gives them (the same values as
     // group_params), before the steps: one group's pair is then two loads.
     thread_local std::vector<float> params;
@@ -275,7 +279,7 @@ struct IntxRowsPanel {
       for (int r = 0; r < kAmxBlockN; ++r) {
         const int64_t n = n0 + r;
         const uint8_t* row = w.q + n * w.row_bytes + k / 8 * B;
-        _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_T1);
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(row + ahead_bytes), _MM_HINT_T1);
         __m512 v[2];
         for (int h = 0; h < 2; ++h) {
           const int64_t j = r * G + (h ? j1 : j0);
