@@ -133,6 +133,33 @@ def test_chunks_of_rows_and_of_k():
     _within_fp32_accumulation(_run("int4", x, padded), x, padded.dequantize(torch.bfloat16), None)
 
 
+def test_scratch_kept_between_calls_leaks_nothing():
+    # The x blocks, panels and sums are kept per thread between calls and not zero-filled
+    # (amx_gemm.h AmxBuffer): a call must take no value a larger call left there (its panel and x
+    # blocks written before they are read, its sums started from zero at its first chunk of k).
+    # Each call below, made once before and once after calls that fill the buffers with other
+    # values (chunked 300 x 4096 calls, a 12 x 49152, and a 600 x 8192 whose 10 MB of x blocks are
+    # more than a thread keeps, so freed after it), gives the same bits and agrees with the
+    # reference; "int8 chunked" (20 x 32768, 1.3 MB of x) carries its sums across chunks of k.
+    torch.manual_seed(5)
+    small = {name: (q, torch.randn(rows, q.shape[1], dtype=torch.bfloat16))
+             for name, q, rows in (("int8", Int8Tensor.from_float(torch.randn(64, 128) * 0.05), 12),
+                                  ("int8 chunked", Int8Tensor.from_float(torch.randn(32, 32768) * 0.05), 20),
+                                  ("fp8", Float8Tensor.from_float(torch.randn(32, 192) * 0.05), 33),
+                                  ("int4", Int4Tensor.from_float(torch.randn(96, 256, dtype=torch.bfloat16), 128).place(), 7))}
+    before = {name: _run(name.split()[0], x, q) for name, (q, x) in small.items()}
+    for name, (q, x) in small.items():
+        _within_fp32_accumulation(before[name], x, q.dequantize(torch.bfloat16), None)
+    big = Int8Tensor.from_float(torch.randn(64, 4096) * 3.0)
+    _run("int8", torch.randn(300, 4096, dtype=torch.bfloat16) * 100, big)
+    _run("fp8", torch.randn(300, 4096, dtype=torch.bfloat16) * 100, Float8Tensor.from_float(torch.randn(64, 4096)))
+    _run("int4", torch.randn(12, 49152, dtype=torch.bfloat16) * 100,
+         Int4Tensor.from_float(torch.randn(32, 49152, dtype=torch.bfloat16), 128).place())
+    _run("int8", torch.randn(600, 8192, dtype=torch.bfloat16) * 100, Int8Tensor.from_float(torch.randn(32, 8192)))
+    for name, (q, x) in small.items():
+        assert torch.equal(_run(name.split()[0], x, q), before[name]), name
+
+
 def test_the_table_takes_the_amx_rows_where_they_apply(monkeypatch):
     weights = _weights(64, 256)
     for name, (fmt, w) in weights.items():
