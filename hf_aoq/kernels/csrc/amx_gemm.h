@@ -187,6 +187,7 @@ template <typename T, class Lanes>
 struct RowScalePanel {
   static constexpr bool kWeightRows = true;
   static constexpr bool kAsksAhead = true;
+  static constexpr int64_t kPieceK = 256;
   using Elem = uint16_t;
   const T* q;
   const float* scale;
@@ -232,6 +233,7 @@ template <class P>
 struct Int4PairsPanel {
   static constexpr bool kWeightRows = false;
   static constexpr bool kAsksAhead = false;
+  static constexpr int64_t kPieceK = 256;
   using Elem = uint32_t;
   const uint8_t* w;  // the pairs layout, full blocks of 32 rows
   P params;
@@ -276,6 +278,7 @@ struct Int4PairsPanel {
 struct Int8RowsPanel {
   static constexpr bool kWeightRows = true;
   static constexpr bool kAsksAhead = false;
+  static constexpr int64_t kPieceK = 256;
   using Elem = uint8_t;
   const int8_t* q;
   int64_t K;
@@ -402,10 +405,12 @@ inline void amx_load_sums(const float* c) {
 // the side it takes) against the panel w, into the sum tiles (zeroed first, or loaded from acc),
 // stored to out. kHalf: the block's activation rows past 16 are all padding, so the tiles of rows
 // 16-31 are neither loaded nor multiplied (half the tile work at 1-16 rows and in tails). pf asks
-// for its share of the next block's weight a few lines a step.
-template <int kBytes, bool kWeightRows, bool kHalf>
+// for its share of the next block's weight a few lines a step. write(kp, kq) is called before the
+// steps of each piece [kp, kq) of `piece` k (the panel written piece by piece inside the first
+// block of rows' steps, or nothing).
+template <int kBytes, bool kWeightRows, bool kHalf, class Write>
 inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t k1, const float* acc, float* out,
-                      AmxPrefetcher& pf) {
+                      AmxPrefetcher& pf, int64_t piece, const Write& write) {
   constexpr int64_t lanes_per_k = 4 / kBytes;
   if (acc == nullptr) {
     _tile_zero(0);
@@ -418,7 +423,10 @@ inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t 
   // Per step of 64 bytes of k, 2 KB of x's block and 2 KB of the panel, each holding two tiles:
   // rows (16 x 64 bytes, the second at +1 KB) or k-lanes (16 x 128 bytes, the second at +64
   // bytes).
-  for (int64_t k = k0; k < k1; k += 16 * lanes_per_k) {
+  for (int64_t kp = k0; kp < k1; kp += piece) {
+  const int64_t kq = std::min(k1, kp + piece);
+  write(kp, kq);
+  for (int64_t k = kp; k < kq; k += 16 * lanes_per_k) {
     const uint32_t* xs = a + k / lanes_per_k * 32;
     const uint32_t* ws = w + (k - k0) / lanes_per_k * 32;
     if constexpr (kWeightRows) {  // A: the weight's rows; B: x's k-lanes
@@ -445,6 +453,7 @@ inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t 
       if (!kHalf) _tile_dpbssd(3, 5, 7);
     }
     pf.step();
+  }
   }
   amx_store_sums<kHalf, kWeightRows>(out);
 }
@@ -526,6 +535,9 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
       // against 1.36-1.38 asked during the tiles; the int4 pairs (which asked for nothing) 1.12-1.14
       // -> 1.04-1.09 asked during the tiles.
       const bool in_panel = Panel::kAsksAhead && padded <= 64;
+      // Pieces of the panel (amx_block): Panel::kPieceK k rounded up to `align`, or the whole
+      // chunk for a writer whose every call has a fixed cost (kPieceK 0).
+      const int64_t piece = Panel::kPieceK > 0 ? (std::max(Panel::kPieceK, align) + align - 1) / align * align : kc;
       uint32_t* const panel = panel_buf.resize(kc / lanes_per_k * kAmxBlockN);
       if (chunked) sums = sums_buf.resize(mine * padded * kAmxBlockN);
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
@@ -533,7 +545,14 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
         const bool first = k0 == 0, last = k1 == K;
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t n0 = b * kAmxBlockN;
-          write_panel(n0, k0, k1, reinterpret_cast<typename Panel::Elem*>(panel), in_panel);
+          // The panel is written a piece of k at a time inside the first block of rows' steps,
+          // each piece just before its tiles read it (from L1), the writing overlapping the
+          // multiplies; the other blocks of rows read it whole.
+          const auto write_piece = [&](int64_t kp, int64_t kq) {
+            write_panel(n0, kp, kq, reinterpret_cast<typename Panel::Elem*>(panel + (kp - k0) / lanes_per_k * 32),
+                        in_panel);
+          };
+          const auto written = [](int64_t, int64_t) {};
           // While this block multiplies: the next block's bytes of this chunk of k, or after the
           // last block the first block's of the next chunk (none after the last chunk).
           if (in_panel)
@@ -550,10 +569,15 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
             const int64_t rows = std::min<int64_t>(32, mrows - m0);
             float* dst = last ? c : acc;
             pf.share(m0 / 32 + 1, mblocks, steps);
-            if (rows <= 16)
-              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, first ? nullptr : acc, dst, pf);
+            const float* from = first ? nullptr : acc;
+            if (m0 == 0 && rows <= 16)
+              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, piece, write_piece);
+            else if (m0 == 0)
+              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, piece, write_piece);
+            else if (rows <= 16)
+              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, k1 - k0, written);
             else
-              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, first ? nullptr : acc, dst, pf);
+              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, k1 - k0, written);
             if (last) out(c, rows_panel, n0, mc0 + m0, rows);
           }
         }

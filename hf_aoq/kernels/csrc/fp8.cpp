@@ -244,6 +244,9 @@ struct Fp8Lanes {
 struct Fp8Panel {
   static constexpr bool kWeightRows = true;
   static constexpr bool kAsksAhead = true;
+  // Whole chunks: each call sets and restores MXCSR, which held back the tiles' overlap with the
+  // writing (16 rows 1.13-1.27 ms a weight in pieces of 256 k against 1.01-1.08).
+  static constexpr int64_t kPieceK = 0;
   using Elem = uint16_t;
   RowScalePanel<uint8_t, Fp8Lanes> rows;
   AmxWeightBytes bytes(int64_t n0, int64_t k0, int64_t k1) const { return rows.bytes(n0, k0, k1); }

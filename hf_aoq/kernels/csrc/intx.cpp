@@ -255,6 +255,7 @@ template <int B>
 struct IntxRowsPanel {
   static constexpr bool kWeightRows = true;
   static constexpr bool kAsksAhead = true;
+  static constexpr int64_t kPieceK = 0;  // each call computes its 32 rows' scales for all of K
   using Elem = uint16_t;
   const IntxWeight& w;
   AmxWeightBytes bytes(int64_t n0, int64_t k0, int64_t k1) const {
