@@ -424,36 +424,36 @@ inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t 
   // rows (16 x 64 bytes, the second at +1 KB) or k-lanes (16 x 128 bytes, the second at +64
   // bytes).
   for (int64_t kp = k0; kp < k1; kp += piece) {
-  const int64_t kq = std::min(k1, kp + piece);
-  write(kp, kq);
-  for (int64_t k = kp; k < kq; k += 16 * lanes_per_k) {
-    const uint32_t* xs = a + k / lanes_per_k * 32;
-    const uint32_t* ws = w + (k - k0) / lanes_per_k * 32;
-    if constexpr (kWeightRows) {  // A: the weight's rows; B: x's k-lanes
-      _tile_loadd(4, ws, 64);
-      _tile_loadd(5, ws + 256, 64);
-      _tile_loadd(6, xs, 128);
-      if (!kHalf) _tile_loadd(7, xs + 16, 128);
-    } else {  // A: x's rows; B: the weight's k-lanes
-      _tile_loadd(4, xs, 64);
-      if (!kHalf) _tile_loadd(5, xs + 256, 64);
-      _tile_loadd(6, ws, 128);
-      _tile_loadd(7, ws + 16, 128);
+    const int64_t kq = std::min(k1, kp + piece);
+    write(kp, kq);
+    for (int64_t k = kp; k < kq; k += 16 * lanes_per_k) {
+      const uint32_t* xs = a + k / lanes_per_k * 32;
+      const uint32_t* ws = w + (k - k0) / lanes_per_k * 32;
+      if constexpr (kWeightRows) {  // A: the weight's rows; B: x's k-lanes
+        _tile_loadd(4, ws, 64);
+        _tile_loadd(5, ws + 256, 64);
+        _tile_loadd(6, xs, 128);
+        if (!kHalf) _tile_loadd(7, xs + 16, 128);
+      } else {  // A: x's rows; B: the weight's k-lanes
+        _tile_loadd(4, xs, 64);
+        if (!kHalf) _tile_loadd(5, xs + 256, 64);
+        _tile_loadd(6, ws, 128);
+        _tile_loadd(7, ws + 16, 128);
+      }
+      // Sum tile 2i + j: A tile 4 + i against B tile 6 + j.
+      if constexpr (kBytes == 2) {
+        _tile_dpbf16ps(0, 4, 6);
+        if (!kHalf || !kWeightRows) _tile_dpbf16ps(1, 4, 7);
+        if (!kHalf || kWeightRows) _tile_dpbf16ps(2, 5, 6);
+        if (!kHalf) _tile_dpbf16ps(3, 5, 7);
+      } else {
+        _tile_dpbssd(0, 4, 6);
+        if (!kHalf || !kWeightRows) _tile_dpbssd(1, 4, 7);
+        if (!kHalf || kWeightRows) _tile_dpbssd(2, 5, 6);
+        if (!kHalf) _tile_dpbssd(3, 5, 7);
+      }
+      pf.step();
     }
-    // Sum tile 2i + j: A tile 4 + i against B tile 6 + j.
-    if constexpr (kBytes == 2) {
-      _tile_dpbf16ps(0, 4, 6);
-      if (!kHalf || !kWeightRows) _tile_dpbf16ps(1, 4, 7);
-      if (!kHalf || kWeightRows) _tile_dpbf16ps(2, 5, 6);
-      if (!kHalf) _tile_dpbf16ps(3, 5, 7);
-    } else {
-      _tile_dpbssd(0, 4, 6);
-      if (!kHalf || !kWeightRows) _tile_dpbssd(1, 4, 7);
-      if (!kHalf || kWeightRows) _tile_dpbssd(2, 5, 6);
-      if (!kHalf) _tile_dpbssd(3, 5, 7);
-    }
-    pf.step();
-  }
   }
   amx_store_sums<kHalf, kWeightRows>(out);
 }
