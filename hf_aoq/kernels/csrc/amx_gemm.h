@@ -549,11 +549,12 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
           // The panel is written a piece of k at a time inside the first block of rows' steps,
           // each piece just before its tiles read it (from L1), the writing overlapping the
           // multiplies; the other blocks of rows read it whole.
+          bool writing = true;
           const auto write_piece = [&](int64_t kp, int64_t kq) {
-            write_panel(n0, kp, kq, reinterpret_cast<typename Panel::Elem*>(panel + (kp - k0) / lanes_per_k * 32),
-                        in_panel);
+            if (writing)
+              write_panel(n0, kp, kq, reinterpret_cast<typename Panel::Elem*>(panel + (kp - k0) / lanes_per_k * 32),
+                          in_panel);
           };
-          const auto written = [](int64_t, int64_t) {};
           // While this block multiplies: the next block's bytes of this chunk of k, or after the
           // last block the first block's of the next chunk (none after the last chunk).
           if (in_panel)
@@ -571,14 +572,12 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
             float* dst = last ? c : acc;
             pf.share(m0 / 32 + 1, mblocks, steps);
             const float* from = first ? nullptr : acc;
-            if (m0 == 0 && rows <= 16)
-              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, piece, write_piece);
-            else if (m0 == 0)
-              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, piece, write_piece);
-            else if (rows <= 16)
-              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, k1 - k0, written);
+            writing = m0 == 0;
+            const int64_t step_k = writing ? piece : k1 - k0;
+            if (rows <= 16)
+              amx_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
             else
-              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, k1 - k0, written);
+              amx_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
             if (last) out(c, rows_panel, n0, mc0 + m0, rows);
           }
         }
