@@ -42,8 +42,7 @@ import time
 from pathlib import Path
 
 import bench_llama_cpp  # beside this script (scripts/ is sys.path[0] when it runs)
-from bench_machine import (dir_bytes, machine_info, measure_bandwidth, measure_copy_bandwidth, model_bytes,
-                           peak_rss_mb, rss_mb)
+from bench_machine import dir_bytes, machine_info, model_bytes, peak_rss_mb, read_bandwidth, rss_mb
 from bench_report import compiled_keys, markdown, ratio
 
 REPO = Path(__file__).resolve().parent.parent
@@ -495,7 +494,7 @@ def run_llama_cpp(a, model_dir: Path, results: dict, notes: list) -> dict:
             "threads": first.get("threads"), "cpu": first.get("cpu")}
 
 
-def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: list, complete: bool) -> dict:
+def build_report(a, model_desc: str, bandwidth: float, probes: dict, results: dict, notes: list, complete: bool) -> dict:
     import torch
     import transformers
 
@@ -524,6 +523,7 @@ def build_report(a, model_desc: str, bandwidth: float, results: dict, notes: lis
         "settings": {k: getattr(a, k) for k in ("prefill_tokens", "prefill_repeats", "decode_tokens", "repeats", "fidelity_tokens", "bandwidth_mb",
                                                 "compiled", "compiled_batches")},
         "read_bandwidth_bytes_per_s": bandwidth,
+        "read_bandwidth_probes": probes,
         "results": results,
         "vs_peers": vs_peers,
         "notes": notes,
@@ -581,12 +581,9 @@ def main_parent(a) -> int:
         notes.append("fidelity skipped (--no-fidelity)")
 
     log(f"measuring read bandwidth ({a.bandwidth_mb} MB buffer) ...")
-    bandwidth = measure_bandwidth(a.bandwidth_mb)
-    copy_bw = measure_copy_bandwidth(a.bandwidth_mb)
-    if copy_bw > 1.2 * bandwidth:
-        notes.append(f"a copy moved {copy_bw / 1e9:.1f} GB/s against the sum's {bandwidth / 1e9:.1f} GB/s: the sum "
-                     "may be compute-bound here, so the decode limit is taken from the copy")
-        bandwidth = copy_bw
+    bandwidth, probes, probe = read_bandwidth(a.bandwidth_mb)
+    notes.append("read bandwidth probes: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in probes.items())
+                 + f"; the decode limit takes the fastest ({probe})")
 
     results: dict[str, dict] = {}
     for name in names:
@@ -615,12 +612,12 @@ def main_parent(a) -> int:
                 notes.append(f"{name}: {k.replace('_', ' ')}: {r[k]}")
         results[name] = r
         if a.out:  # after every configuration, so that an interrupted run keeps what it measured
-            Path(a.out).write_text(json.dumps(build_report(a, model_desc, bandwidth, results, notes, complete=False), indent=2, default=str))
+            Path(a.out).write_text(json.dumps(build_report(a, model_desc, bandwidth, probes, results, notes, complete=False), indent=2, default=str))
         if "decode_tps" in r:
             log(f"[{name}] decode {r['decode_tps']:.2f} tok/s, prefill {r['prefill_s']:.2f} s, "
                 f"model {r['model_bytes'] / 1e6:.1f} MB, load {r['load_s']:.1f} s")
 
-    report = build_report(a, model_desc, bandwidth, results, notes, complete=True)
+    report = build_report(a, model_desc, bandwidth, probes, results, notes, complete=True)
     if a.llama_cpp:
         report["llama_cpp"] = run_llama_cpp(a, model_dir, results, notes)
     import torch

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_aoq.kernels import cpu_ext
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 
 
@@ -25,6 +27,10 @@ def test_benchmark_runs_end_to_end(tmp_path):
 
     report = json.loads(out.read_text())
     assert report["read_bandwidth_bytes_per_s"] > 0
+    probes = report["read_bandwidth_probes"]  # the limit takes the fastest probe
+    assert report["read_bandwidth_bytes_per_s"] == max(probes.values()) and "torch sum" in probes
+    if cpu_ext.available():
+        assert any(k.startswith("hf_aoq's load-only probe") for k in probes), probes
     results = report["results"]
     for name in ("bf16", "int4", "int4dq", "int4-head", "int8-head"):
         r = results[name]

@@ -34,6 +34,9 @@ torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Ten
                                 c10::optional<torch::Tensor> rows);
 // amx.cpp: whether this binary has the AMX kernels and this process may run them.
 bool amx_available();
+// bandwidth.cpp: the XOR of a uint8 buffer's 8-byte words, read once over aten's threads (the
+// benchmark's read-bandwidth probe).
+int64_t read_xor(torch::Tensor buf);
 
 // int8_int4.cpp: Int4Tensor with integer (int8 or int4) activation codes, F.linear in one call.
 torch::Tensor int8_int4_linear_io(torch::Tensor codes, torch::Tensor act_scale, torch::Tensor packed,
