@@ -70,8 +70,8 @@ def candidates(n: int, k: int, m: int, dtype: torch.dtype):
         out.append(("aten int8pack " + str(dtype)[6:], lambda: aten._weight_int8pack_mm(x, q8.qdata, s8)))
     if ext is not None and hasattr(ext, "int8_linear"):
         s8f = q8.scale.reshape(-1).float().contiguous()
-        out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30).to(dtype)))
-        out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0).to(dtype)))
+        out.append(("hf_aoq ext int8 (gemv)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 1 << 30, False).to(dtype)))
+        out.append(("hf_aoq ext int8 (dequant+gemm)", lambda: ext.int8_linear(x_fp32, q8.qdata, s8f, 0, False).to(dtype)))
     out.append(("hf_aoq int8 F.linear", lambda: F.linear(x, q8)))
     if gemm:
         out.append((f"hf_aoq int8 dequant {str(dtype)[6:]} + aten GEMM", lambda: cpu_gemm._int8(x, q8, None)))

@@ -350,7 +350,9 @@ def int8dyn_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
 def int8_ext_linear(x, w, bias):
     """Weight-only and dynamic int8 alike (dynamic activations are quantized per token and
     dequantized in x's dtype first, as the reference does, inside the same C++ call), computed
-    in float32."""
+    in float32; weight-only half-precision activations at GEMV rows meet the codes as int16
+    codes (csrc/int8.cpp's int8_code_gemv: within half a code step of each group's largest |x|
+    / 32767, more precise than the reference, which rounds the weight to x's dtype)."""
     if w.act_quant == "per_token":
         return int8dyn_linear_io(x, w.qdata, w.scale, bias)
     return int8_linear_io(x, w.qdata, w.scale, bias)

@@ -200,6 +200,9 @@ weights["int4dq g32 112"] = Int4DQTensor.from_float(w2, 32).place()
 # 100 rows (the batch-1 int8/fp8 GEMVs' eight-row blocks and a block of four), K = 200 (a column tail).
 w3 = torch.randn(100, 200) * 0.05
 weights.update({"int8 100x200": Int8Tensor.from_float(w3), "fp8 100x200": Float8Tensor.from_float(w3)})
+# 102 rows, K = 224: the int8 GEMV's int16 codes (half-precision rows) in groups of 32, blocks of
+# eight and four rows with part blocks, single rows and row pairs.
+weights["int8 102x224"] = Int8Tensor.from_float(torch.randn(102, 224) * 0.05)
 out, kernels = {}, {}
 for rows in (1, 2, 3, 4, 5, 8, 12):  # below the bf16-GEMM rows (which the reference test covers)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -423,7 +423,7 @@ def test_int8_fp8_gemv_every_row_count(kind, n, k):
     if kind == "int8":
         q = Int8Tensor.from_float(w)
         scale = q.scale.reshape(-1).float().contiguous()
-        gemv = lambda x: ext.int8_linear(x, q.qdata, scale, 1000)  # noqa: E731
+        gemv = lambda x: ext.int8_linear(x, q.qdata, scale, 1000, False)  # noqa: E731
     else:
         q = Float8Tensor.from_float(w, kind)
         scale = q.scale.reshape(-1).float().contiguous()
@@ -433,6 +433,78 @@ def test_int8_fp8_gemv_every_row_count(kind, n, k):
         x = torch.randn(m, k)
         assert_elementwise_close(x, wd, gemv(x))
         assert_elementwise_close(x, wd, F.linear(x, q))
+
+
+def int8_code_group(k: int) -> int:
+    """The int16 codes' group of the int8 GEMV (int8.cpp's int8_code_group): the largest of 256,
+    128, 64 and 32 that divides K, 0 for none."""
+    return next((g for g in (256, 128, 64, 32) if k % g == 0), 0)
+
+
+@needs_ext
+@pytest.mark.parametrize("n,k", [(48, 256), (45, 384), (102, 96), (8, 224), (3, 64)])
+def test_int8_kernel_through_int16_activation_codes(n, k):
+    """Half-precision activations at GEMV rows meet the int8 codes as int16 codes (int8.cpp's
+    int8_code_gemv): eight-row blocks at one row and four-row blocks by row pairs on AVX-512 (four
+    and four by one on AVX2), part blocks one row at a time (N = 45, 102, 3), groups of 256, 128
+    and 32 columns. Each output is what the definition gives up to float32 rounding, within half a
+    code step per activation times |w| of the exact product; a row's value does not depend on the
+    rows computed with it; float32 activations keep the float32 GEMV, closer to the exact product."""
+    torch.manual_seed(0)
+    q = Int8Tensor.from_float(torch.randn(n, k))
+    scale = q.scale.reshape(-1).float().contiguous()
+    w = q.dequantize(torch.float32)
+    g = int8_code_group(k)
+    ext = cpu_ext.load()
+    for m in (1, 2, 3, 5, 12, 40):
+        x = torch.randn(m, k).bfloat16().float()
+        x[0, :g] *= 100  # an outlier group: the steps are per group, the other groups keep theirs
+        got = ext.int8_linear(x, q.qdata, scale, 1000, True)
+        expected, bound = int16_activation_linear(x, w, g)
+        assert rel_err(expected, got) < 1e-6, m
+        exact = x.double() @ w.double().t()
+        assert ((got - exact).abs() <= bound + 1e-6 * exact.abs().max()).all(), m
+        for i in range(m):
+            assert torch.equal(ext.int8_linear(x[i:i + 1], q.qdata, scale, 1000, True), got[i:i + 1]), (m, i)
+        assert rel_err(exact, ext.int8_linear(x, q.qdata, scale, 1000, False)) < 1e-6 < rel_err(exact, got), m
+
+
+@needs_ext
+def test_int8_int16_path_limits():
+    """K not a multiple of 32 keeps the float32 GEMV (the same bits as asking for it); more rows
+    than the GEMV's limit take the GEMM path whatever is asked; a NaN or inf activation makes its
+    row's outputs NaN and leaves the other rows as they were."""
+    torch.manual_seed(0)
+    ext = cpu_ext.load()
+    q = Int8Tensor.from_float(torch.randn(40, 200))
+    scale = q.scale.reshape(-1).float().contiguous()
+    x = torch.randn(3, 200).bfloat16().float()
+    assert torch.equal(ext.int8_linear(x, q.qdata, scale, 1000, True), ext.int8_linear(x, q.qdata, scale, 1000, False))
+    assert torch.equal(ext.int8_linear(x, q.qdata, scale, 2, True), ext.int8_linear(x, q.qdata, scale, 2, False))
+    q = Int8Tensor.from_float(torch.randn(40, 128))
+    scale = q.scale.reshape(-1).float().contiguous()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(3, 128)
+        x[1, 40] = bad
+        got = ext.int8_linear(x, q.qdata, scale, 1000, True)
+        assert got[1].isnan().all() and torch.isfinite(got[[0, 2]]).all(), bad
+        assert torch.equal(got[[0, 2]], ext.int8_linear(x[[0, 2]], q.qdata, scale, 1000, True))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_linear_half_precision_takes_the_int16_codes(dtype):
+    """Through F.linear (the kernel table's cpu_int8_ext row) half-precision activations at batch
+    1 and 4 get the int16-code GEMV's outputs, with the bias added in float32 and one rounding."""
+    torch.manual_seed(0)
+    q = Int8Tensor.from_float(torch.randn(64, 256))
+    bias = torch.randn(64)
+    ext = cpu_ext.load()
+    for m in (1, 4):
+        x = torch.randn(m, 256, dtype=dtype)
+        assert kernels.select_kernel("linear", x, q).name == "cpu_int8_ext"
+        codes = ext.int8_linear(x.float(), q.qdata, q.scale.reshape(-1).float().contiguous(), 1000, True)
+        assert torch.equal(F.linear(x, q, bias.to(dtype)), (codes + bias.to(dtype).float()).to(dtype)), m
 
 
 @needs_ext
@@ -451,7 +523,7 @@ def test_batch1_gemv_row_value_does_not_depend_on_its_row_block(kind):
     def gemv(rows):
         if kind == "int8":
             q = Int8Tensor.from_float(rows)
-            return ext.int8_linear(x, q.qdata, q.scale.reshape(-1).float().contiguous(), 1000)
+            return ext.int8_linear(x, q.qdata, q.scale.reshape(-1).float().contiguous(), 1000, False)
         q = Float8Tensor.from_float(rows, kind)
         return ext.fp8_linear(x, q.qdata.view(torch.uint8), q.scale.reshape(-1).float().contiguous(),
                               cpu._FP8_SHIFT[kind])

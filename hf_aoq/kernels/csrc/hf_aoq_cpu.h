@@ -59,7 +59,10 @@ std::vector<torch::Tensor> int4dq_search(torch::Tensor x, torch::Tensor a0, torc
                                          int64_t g, int64_t k, int64_t levels);
 
 // int8.cpp
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows);
+// int16_activations: at most gemv_max_rows rows meet the codes as int16 codes (x came in half
+// precision: int8.cpp's int8_code_gemv), else float32 compute.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows,
+                          bool int16_activations);
 torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, torch::ScalarType dtype);
 
 // fp8.cpp

@@ -15,6 +15,7 @@
 #include "dequant_gemm.h"
 #include "float_dtypes.h"
 #include "hf_aoq_cpu.h"
+#include "int16_rows.h"
 #include "simd.h"
 
 namespace {
@@ -101,6 +102,117 @@ void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, in
   });
 }
 
+#if defined(__AVX2__)
+// Half-precision activations as int16 codes (int16_rows.h: per row and group of gs columns, within
+// 1/65534 of the group's largest |x|) meet the int8 codes in exact integer multiply-adds, 32
+// columns a step: per weight byte one widening and half a multiply-add, where the float32 GEMV
+// widens each byte to float32 and multiplies it in float (three instructions per 16). On a 2-core
+// AMD EPYC Zen 4 the float32 GEMV ran at the same speed from L3 as from DRAM (11 GB/s a core):
+// compute, not memory, was its limit. Lane l of a step's sums takes columns 2l and 2l + 1 of its
+// 32 (vpdpwssd on AVX-512 VNNI; vpmaddwd + vpaddd on AVX2, two registers of eight lanes, the same
+// int32 sums), each group's int32 lanes are turned to float32 and added times the group's sx,
+// and vsum adds the lanes: the same operations in both builds, so the same outputs.
+#if defined(__AVX512F__)
+using ivec = __m512i;
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline ivec codes32(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline ivec widen32(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline ivec dot_pairs(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline vfloat lanes_float(ivec v) { return _mm512_cvtepi32_ps(v); }
+inline vfloat vset(float f) { return _mm512_set1_ps(f); }
+constexpr int kCodeRows = 8;  // weight rows per step at one activation row: 8 int32 + 8 float32 accumulators
+#else
+struct ivec {
+  __m256i lo, hi;
+};
+inline ivec izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline ivec codes32(const int16_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
+}
+inline ivec widen32(const int8_t* p) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline ivec dot_pairs(ivec acc, ivec a, ivec b) {
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
+}
+inline vfloat lanes_float(ivec v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline vfloat vset(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+constexpr int kCodeRows = 4;
+#endif
+
+// MB activation rows of codes (from m0) against NR weight rows (from n0), K a multiple of 32 and
+// of gs: y[m, n] = scale[n] * sum over groups g of sx[m, g] * (exact int32 sum of the group's
+// code products), summed lane by lane in float32, then across lanes. While a block of rows is
+// read, each row asks for the same column of the row NR on (the next block's), as dot_rows does.
+template <int NR, int MB>
+inline void int8_code_tile(const Int16Rows& xr, int64_t m0, const int8_t* q, const float* scale, int64_t K,
+                           int64_t gs, int64_t n0, float* y, int64_t N) {
+  const int64_t G = K / gs;
+  const int8_t* w = q + n0 * K;
+  const int16_t* c = xr.codes.data() + m0 * K;
+  vfloat f[MB][NR];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < NR; ++r) f[i][r] = vzero();
+  for (int64_t g = 0; g < G; ++g) {
+    ivec acc[MB][NR];
+    for (int i = 0; i < MB; ++i)
+      for (int r = 0; r < NR; ++r) acc[i][r] = izero();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+      if ((k & 63) == 0)
+        for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k), _MM_HINT_T0);
+      ivec xc[MB];
+      for (int i = 0; i < MB; ++i) xc[i] = codes32(c + i * K + k);
+      for (int r = 0; r < NR; ++r) {
+        const ivec wr = widen32(w + r * K + k);
+        for (int i = 0; i < MB; ++i) acc[i][r] = dot_pairs(acc[i][r], wr, xc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const vfloat s = vset(xr.sx[(m0 + i) * G + g]);
+      for (int r = 0; r < NR; ++r) f[i][r] = vfma(lanes_float(acc[i][r]), s, f[i][r]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n0 + r] = vsum(f[i][r]) * scale[n0 + r];
+}
+
+// The int16-code GEMV over all M rows: blocks of kCodeRows weight rows over the threads (a last
+// part block one row at a time), activation rows in pairs on AVX-512 (half the rows a tile there,
+// so that both accumulator sets fit its 32 registers) and one at a time on AVX2.
+void int8_code_gemv(const Int16Rows& xr, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K,
+                    int64_t gs) {
+#if defined(__AVX512F__)
+  constexpr int kPair = 2, kPairRows = kCodeRows / 2;
+#else
+  constexpr int kPair = 1, kPairRows = kCodeRows;
+#endif
+  const int64_t rows = M == 1 ? kCodeRows : kPairRows, full = N / rows;
+  at::parallel_for(0, full + (N % rows ? 1 : 0), std::max<int64_t>(1, 16 / rows), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (b == full) {  // the rows past the last full block
+        for (int64_t n = b * rows; n < N; ++n)
+          for (int64_t m = 0; m < M; ++m) int8_code_tile<1, 1>(xr, m, q, scale, K, gs, n, y, N);
+      } else if (M == 1) {
+        int8_code_tile<kCodeRows, 1>(xr, 0, q, scale, K, gs, b * rows, y, N);
+      } else {
+        int64_t m = 0;
+        for (; m + kPair <= M; m += kPair) int8_code_tile<kPairRows, kPair>(xr, m, q, scale, K, gs, b * rows, y, N);
+        for (; m < M; ++m) int8_code_tile<kPairRows, 1>(xr, m, q, scale, K, gs, b * rows, y, N);
+      }
+    }
+  });
+}
+
+// The int16 codes' group: the largest of 256, 128, 64 and 32 columns that divides K (0 when none
+// does: the float32 GEMV then).
+inline int64_t int8_code_group(int64_t K) {
+  for (int64_t gs : {256, 128, 64, 32})
+    if (K % gs == 0) return gs;
+  return 0;
+}
+#endif
+
 // Weight rows [n0, n1) as float32 [n1 - n0, K]: q * scale, the reference's float32 dequantization.
 struct Int8Rows {
   const int8_t* q;
@@ -119,11 +231,12 @@ struct Int8Rows {
 }  // namespace
 
 // x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
-// [M, N]. Many rows: chunks of q * scale (the reference's float32 dequantization) and GEMM.
-// (Int16 activation codes, as the int4 GEMV takes, do not pay here: at batch 1 the int8 GEMV
-// already reads the weight at about the machine's bandwidth; measured 51.3 against 50.6 ms for
-// a TinyLlama token's linears.)
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows) {
+// [M, N]. Few rows: int16 activation codes where x came in half precision and K is a multiple
+// of 32 (int8_code_gemv), else the float32 GEMV. Many rows: chunks of q * scale (the reference's
+// float32 dequantization) and GEMM. (On the AVX-512 Xeon the float32 GEMV already read the weight
+// near the bandwidth at batch 1; on a Zen 4 it did not, see int8_code_gemv.)
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows,
+                          bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous() && q.size(1) == x.size(1),
               "q: contiguous int8 [N, K]");
@@ -131,6 +244,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M <= gemv_max_rows) {
+#if defined(__AVX2__)
+    const int64_t gs = int8_code_group(K);
+    if (int16_activations && gs > 0) {
+      const Int16Rows xr = quantize_rows16(x.data_ptr<float>(), M, K, gs);
+      int8_code_gemv(xr, q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K, gs);
+      return y;
+    }
+#endif
     int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
     return y;
   }

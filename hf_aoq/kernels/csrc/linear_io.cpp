@@ -105,12 +105,15 @@ torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Ten
   });
 }
 
-// F.linear(x, int8 weight, bias) in one call; scale: [N] or [N, 1] of any float dtype.
+// F.linear(x, int8 weight, bias) in one call; scale: [N] or [N, 1] of any float dtype. Half-precision
+// x meets the codes as int16 codes at GEMV rows (int8_linear).
 torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                              int64_t gemv_max_rows) {
   const int64_t k = q.size(1);
   auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
-  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) { return int8_linear(x2, q, s, gemv_max_rows); });
+  return linear_io(x, k, k, q.size(0), bias, [&](const torch::Tensor& x2) {
+    return int8_linear(x2, q, s, gemv_max_rows, x.scalar_type() != torch::kFloat32);
+  });
 }
 
 // F.linear(x, int8 weight, bias) for dynamic per-token int8 activations in one call: each row of x
@@ -138,7 +141,7 @@ torch::Tensor int8dyn_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor 
         }
       }
     });
-    return int8_linear(xq, q, s, gemv_max_rows);
+    return int8_linear(xq, q, s, gemv_max_rows, false);
   });
 }
 
