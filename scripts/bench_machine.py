@@ -57,18 +57,23 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+def _best_seconds(fn, repeats: int) -> float:
+    """The shortest of `repeats` timed calls of fn, after one untimed call (the first touch)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def measure_bandwidth(megabytes: int, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: best of `repeats` sums over a float32 buffer of `megabytes`."""
     import torch
 
     x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
+    return x.numel() * 4 / _best_seconds(x.sum, repeats)
 
 
 def measure_copy_bandwidth(megabytes: int, repeats: int = 5) -> float:
@@ -78,13 +83,7 @@ def measure_copy_bandwidth(megabytes: int, repeats: int = 5) -> float:
 
     x = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
     y = torch.empty_like(x)
-    y.copy_(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        y.copy_(x)
-        best = min(best, time.perf_counter() - start)
-    return 2 * x.numel() * 4 / best
+    return 2 * x.numel() * 4 / _best_seconds(lambda: y.copy_(x), repeats)
 
 
 def measure_read_probe(megabytes: int, repeats: int = 5) -> tuple[float, str] | None:
@@ -103,12 +102,7 @@ def measure_read_probe(megabytes: int, repeats: int = 5) -> tuple[float, str] | 
     if ext is None or not hasattr(ext, "read_xor"):
         return None
     buf = hugepages.on_huge_pages(torch.ones(megabytes << 20, dtype=torch.uint8))
-    ext.read_xor(buf)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ext.read_xor(buf)
-        best = min(best, time.perf_counter() - start)
+    best = _best_seconds(lambda: ext.read_xor(buf), repeats)
     pages = "2 MiB pages" if hugepages.is_on_huge_pages(buf) else "4 KiB pages"
     return buf.numel() / best, f"hf_aoq's load-only probe, {pages}"
 
