@@ -107,8 +107,9 @@ void int8_gemv(const float* x, const int8_t* q, const float* scale, float* y, in
 // 1/65534 of the group's largest |x|) meet the int8 codes in exact integer multiply-adds, 32
 // columns a step: per weight byte one widening and half a multiply-add, where the float32 GEMV
 // widens each byte to float32 and multiplies it in float (three instructions per 16). On a 2-core
-// AMD EPYC Zen 4 the float32 GEMV ran at the same speed from L3 as from DRAM (11 GB/s a core):
-// compute, not memory, was its limit. Lane l of a step's sums takes columns 2l and 2l + 1 of its
+// AMD EPYC Zen 4 both read DRAM at its rate at one row, but from cache, and from 4 rows on (the
+// weight reused from L1), the float work was the limit: 16 rows took half the time with the codes
+// (docs/performance.md). Lane l of a step's sums takes columns 2l and 2l + 1 of its
 // 32 (vpdpwssd on AVX-512 VNNI; vpmaddwd + vpaddd on AVX2, two registers of eight lanes, the same
 // int32 sums), each group's int32 lanes are turned to float32 and added times the group's sx,
 // and vsum adds the lanes: the same operations in both builds, so the same outputs.
@@ -233,8 +234,7 @@ struct Int8Rows {
 // x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
 // [M, N]. Few rows: int16 activation codes where x came in half precision and K is a multiple
 // of 32 (int8_code_gemv), else the float32 GEMV. Many rows: chunks of q * scale (the reference's
-// float32 dequantization) and GEMM. (On the AVX-512 Xeon the float32 GEMV already read the weight
-// near the bandwidth at batch 1; on a Zen 4 it did not, see int8_code_gemv.)
+// float32 dequantization) and GEMM.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows,
                           bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
