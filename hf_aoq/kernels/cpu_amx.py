@@ -1,26 +1,32 @@
-"""Many-row CPU linears on AMX tiles for bf16 activations: hf_aoq's own tile GEMM
-(csrc/amx_gemm.h) dequantizes each block of 32 output columns into a small bf16 panel and
-multiplies from it, so the weight is read once in its own bytes and no whole bf16 copy is made.
-Int4, Int4DQ, Int8 and Float8 weights, and Intx / IntxDQ bit streams (csrc/intx.cpp's panel).
-Int8 weights with dynamic int8 activations multiply on the int8 tiles instead (cpu_int8dyn_amx,
-below: exact integer products, any float activations).
+"""Many-row CPU linears for bf16 activations on hf_aoq's panel GEMM (csrc/amx_gemm.h): each block of 32
+output columns is dequantized into a small bf16 panel and multiplied from it, so the weight is read
+once in its own bytes and no whole bf16 copy is made. Two engines run the multiply: AMX tiles
+(rows `cpu_<format>_amx`, where AMX-BF16 is granted) and AVX512-BF16's dot products (rows
+`cpu_<format>_avx512bf16`, where AVX512-BF16 runs without AMX: AMD EPYC Zen 4 and Zen 5). Int4,
+Int4DQ, Int8 and Float8 weights, and Intx / IntxDQ bit streams (csrc/intx.cpp's panel). Int8
+weights with dynamic int8 activations multiply on the int8 tiles instead (cpu_int8dyn_amx, below:
+exact integer products, any float activations; AMX only).
 
 The weight's bf16 values are the reference's `dequantize(bfloat16)`, bit for bit (a float32 value
-below 2^-126 becomes zero, which the tile multiply reads as zero anyway); the products are
-summed in float32 in the tiles' order and each output rounded once to bf16, so the outputs
-agree with the reference kernel (the same weight through aten's GEMM) within float32
-accumulation (tests/kernels/test_cpu_amx.py). Above cpu_gemm.py's rows (dequantize the whole
-weight into bf16, then aten's GEMM), which remain where AMX is not: AVX512-BF16 machines.
+below 2^-126 becomes zero, which both multiplies read as zero anyway); the products are summed in
+float32 in the engine's order and each output rounded once to bf16, so the outputs agree with the
+reference kernel (the same weight through aten's GEMM) within float32 accumulation
+(tests/kernels/test_cpu_amx.py, on each engine the machine allows). Above cpu_gemm.py's rows
+(dequantize the whole weight into bf16, then aten's GEMM), which remain for the shapes the panels
+do not take.
 
 Measured on a 2-vCPU Xeon with AMX (5632x2048 / 2048x5632, 2 threads, medians of 11 interleaved
 rounds on a noisy host, as a multiple of dense bf16 F.linear's time; docs/performance.md): at 256
 rows int4 g128 0.85 / 1.00, Int4DQ g32 0.79 / 1.02, int8 0.89 / 1.22, float8 0.89 / 1.22, against
 1.5-1.85 for dequantize + aten's GEMM (cpu_gemm.py). The tile loop alone took 0.54-0.67 of dense
 bf16's time at 256 rows (oneDNN's bf16 GEMM runs ~0.8-0.9 TFLOP/s per core there, the tiles
-~1.2); the rest is writing the panels.
+~1.2); the rest is writing the panels. On a 2-core AMD EPYC Zen 4 (no AMX), the dot products at
+256 rows: int4 1.00 / 1.02, Int4DQ 0.99 / 1.00, int8 1.01 / 1.02, float8 1.02 / 1.01, against
+1.09-1.22 for dequantize + aten's GEMM (MIN_ROWS_AVX512_BF16's comment).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -42,6 +48,15 @@ def _amx_kernels(device) -> bool:
 
 AMX = capability("cpu:amx_kernels", "cpu", _amx_kernels)
 AMX_INT8 = capability("cpu:amx_int8_kernels", "cpu", lambda device: cpu_isa.amx_int8_allowed() and _amx_kernels(device))
+
+
+def _avx512_bf16_kernels(device) -> bool:
+    # AVX512-BF16 without AMX (where AMX is, its tiles take these rows), and the extension's
+    # avx512 build, which has the dot-product engine.
+    return cpu_isa.bf16_gemm_isa() == "avx512_bf16" and cpu_ext.available() and cpu_ext.chosen_isa() == "avx512"
+
+
+AVX512_BF16 = capability("cpu:avx512_bf16_panel_kernels", "cpu", _avx512_bf16_kernels)
 
 # Fewest bf16 activation rows at which the tile GEMM beats the weight-streaming kernels of cpu.py
 # (same run as above, tile / streaming kernel, both shapes): int4 g128 0.67/0.76 against 0.54/0.61
@@ -65,6 +80,19 @@ AMX_INT8 = capability("cpu:amx_int8_kernels", "cpu", lambda device: cpu_isa.amx_
 # 2640-2824 before); Intx (int3, asymmetric) 1009 / 1010 and 980 / 917 at 6 rows, 1007 / 1392 and
 # 1018 / 1227 at 8. Both from 7 rows.
 MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 7, "intxdq": 7}
+# The same rows on AVX512-BF16's dot products, where AMX is not (2-core AMD EPYC Zen 4, 2 threads,
+# 12 weights cycled from DRAM, medians of 7 alternated rounds, the dot-product row's time over the
+# streaming kernel's, 5632x2048 / 2048x5632; a noisy host): int4 g128 1.25 / 1.43 at 24 rows, 0.93 /
+# 1.18 at 32, 0.86 / 0.98 at 48; Int4DQ g32 0.88 / 1.19 at 16, 0.92 / 0.98 at 24, 0.68 / 0.67 at 32;
+# int8 0.95 / 1.38 at 16, 0.87 / 0.96 at 24, 0.77 / 0.67 at 32; float8 0.69 / 1.22 at 8, 0.47 / 0.78
+# at 16; Intx (int3 g32 asymmetric) 0.83 / 1.12 at 8, 0.40 / 0.58 at 16; IntxDQ (int3 g32) 0.80 /
+# 0.95 at 8, 0.44 / 0.47 at 16. At 1-16 rows a block multiplies 16 rows, at 17-32 rows 32, whatever
+# the rows (the dot-product engine's groups of rows, amx_gemm.h dot_block). Above these rows they
+# also beat dequantize + aten's bf16 GEMM (cpu_gemm.py; below them in the table): at 48 rows int8
+# 0.61 / 0.73 and float8 0.52 / 0.62 of its time; at 256 rows, as a multiple of dense bf16
+# F.linear's time, int4 1.00 / 1.02 against 1.22 / 1.17, Int4DQ 0.99 / 1.00 against 1.22 / 1.21,
+# int8 1.01 / 1.02 against 1.14 / 1.09, float8 1.02 / 1.01 against 1.14 / 1.14.
+MIN_ROWS_AVX512_BF16 = {"int4": 40, "int4dq": 24, "int8": 24, "fp8": 12, "intx": 12, "intxdq": 8}
 # Int8 weights with dynamic int8 activations on the int8 tiles (cpu_int8dyn_amx) against cpu.py's
 # GEMV on the activations fake-quantized in the same C++ call (cpu_int8_ext; weights from DRAM, 64
 # copies cycled, same machine, 2048x5632 / 5632x2048, tiles / GEMV): 1.39 / 1.06 at 1 row, 1.04 /
@@ -80,20 +108,20 @@ def _out(x, qdata, *rest):
 
 @opaque_op("int4_amx_linear_cpu", _out)
 def int4_amx_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int,
-                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().int4pack_amx_linear(x, packed, scale_zero, group_size, bias)
+                    bias: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
+    return cpu_ext.load().int4pack_amx_linear(x, packed, scale_zero, group_size, bias, tiles)
 
 
 @opaque_op("int4dq_amx_linear_cpu", _out)
 def int4dq_amx_linear(x: torch.Tensor, packed: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor,
-                      tparams: torch.Tensor, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().int4dq_amx_linear(x, packed, gparams, rparams, tparams, group_size, bias)
+                      tparams: torch.Tensor, group_size: int, bias: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
+    return cpu_ext.load().int4dq_amx_linear(x, packed, gparams, rparams, tparams, group_size, bias, tiles)
 
 
 @opaque_op("int8_amx_linear_cpu", _out)
 def int8_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                    bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().int8_amx_linear(x, qdata, scale, bias)
+                    bias: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
+    return cpu_ext.load().int8_amx_linear(x, qdata, scale, bias, tiles)
 
 
 @opaque_op("int8dyn_amx_linear_cpu", _out)
@@ -104,28 +132,28 @@ def int8dyn_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
 
 @opaque_op("fp8_amx_linear_cpu", _out)
 def fp8_amx_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shift: int,
-                   bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().fp8_amx_linear(x, codes, scale, shift, bias)
+                   bias: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
+    return cpu_ext.load().fp8_amx_linear(x, codes, scale, shift, bias, tiles)
 
 
 @opaque_op("intx_amx_linear_cpu", _out)
 def intx_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
-                    bits: int, group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().intx_amx_linear(x, qdata, scale, zero, bits, group_size, bias)
+                    bits: int, group_size: int, bias: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
+    return cpu_ext.load().intx_amx_linear(x, qdata, scale, zero, bits, group_size, bias, tiles)
 
 
 @opaque_op("intxdq_amx_linear_cpu", _out)
 def intxdq_amx_linear(x: torch.Tensor, qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor,
                       tparams: torch.Tensor, bits: int, group_size: int, bias: Optional[torch.Tensor],
-                      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return cpu_ext.load().intxdq_amx_linear(x, qdata, gparams, rparams, tparams, bits, group_size, bias, rows)
+                      rows: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
+    return cpu_ext.load().intxdq_amx_linear(x, qdata, gparams, rparams, tparams, bits, group_size, bias, rows, tiles)
 
 
-def _many_bf16_rows(fmt):
+def _many_bf16_rows(fmt, min_rows):
     def when(x, w) -> bool:
         # N and K multiples of 32 (the tiles); read off the fields, not w.shape (slow per call).
         n, k = w.qdata.shape[0], _in_features(w)
-        return x.dtype == torch.bfloat16 and _rows(x) >= MIN_ROWS[fmt] and n % 32 == 0 and k % 32 == 0
+        return x.dtype == torch.bfloat16 and _rows(x) >= min_rows[fmt] and n % 32 == 0 and k % 32 == 0
     return when
 
 
@@ -134,32 +162,78 @@ def _apply(x, k, kernel, *args):
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-_int4_rows, _int4dq_rows, _int8_rows, _fp8_rows, _intx_rows, _intxdq_rows = (
-    _many_bf16_rows(f) for f in ("int4", "int4dq", "int8", "fp8", "intx", "intxdq"))
-_NEEDS = (CPU_EXT, AMX)
-
-
-@register_kernel("linear", "Int4Tensor", "cpu_int4_amx", backend="cpu", priority=35, reads=("cpu_int4_pairs",),
-                 device="cpu", needs=_NEEDS,
-                 when=lambda x, w: _int4_rows(x, w) and w.qdata.is_contiguous() and w.scale.is_contiguous())
-def _int4(x, w, bias):
+# The bf16 rows, each format's function taking `tiles`: AMX tiles (True) or AVX512-BF16's dot
+# products (False); registered below once per engine.
+def _int4(x, w, bias, tiles=True):
     x = w.simulate_input_quantization(x)
-    return _apply(x, _in_features(w), int4_amx_linear, w.qdata, w.scale, w.block_size[-1], bias)
+    return _apply(x, _in_features(w), int4_amx_linear, w.qdata, w.scale, w.block_size[-1], bias, tiles)
 
 
-@register_kernel("linear", "Int4DQTensor", "cpu_int4dq_amx", backend="cpu", priority=35, reads=("cpu_int4dq",),
-                 device="cpu", needs=_NEEDS,
-                 when=lambda x, w: _int4dq_rows(x, w) and w.qdata.is_contiguous() and w.gparams.is_contiguous())
-def _int4dq(x, w, bias):
+def _int4dq(x, w, bias, tiles=True):
     return _apply(x, _in_features(w), int4dq_amx_linear, w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1],
-                  bias)
+                  bias, tiles)
 
 
-@register_kernel("linear", "Int8Tensor", "cpu_int8_amx", backend="cpu", priority=35, device="cpu", needs=_NEEDS,
-                 when=lambda x, w: _int8_rows(x, w) and _per_row(w) and w.qdata.is_contiguous())
-def _int8(x, w, bias):
+def _int8(x, w, bias, tiles=True):
     x = w.simulate_input_quantization(x)
-    return _apply(x, _in_features(w), int8_amx_linear, w.qdata, w.scale, bias)
+    return _apply(x, _in_features(w), int8_amx_linear, w.qdata, w.scale, bias, tiles)
+
+
+def _fp8(x, w, bias, tiles=True):
+    x = w.simulate_input_quantization(x)
+    codes = w.qdata
+    scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
+    return _apply(x, _in_features(w), fp8_amx_linear, codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype], bias,
+                  tiles)
+
+
+# IntxTensor and IntxDQTensor: their bit streams decoded 32 rows at a time into bf16 panels
+# (csrc/intx.cpp IntxRowsPanel; groups of a multiple of 16 columns).
+def _intx_groups_fit(w) -> bool:
+    return w.block_size[-1] % 16 == 0
+
+
+def _intx(x, w, bias, tiles=True):
+    x = w.simulate_input_quantization(x)
+    return _apply(x, _in_features(w), intx_amx_linear, w.qdata, w.scale, w.zero, w.bits, w.block_size[-1], bias,
+                  tiles)
+
+
+def _intxdq(x, w, bias, tiles=True):
+    rows = None if torch.compiler.is_compiling() else cpu_intx._dq_rows(w)
+    return _apply(x, _in_features(w), intxdq_amx_linear, w.qdata, w.gparams, w.rparams, w.tparams, w.bits,
+                  w.block_size[-1], bias, rows, tiles)
+
+
+FUNCTIONS = {"int4": _int4, "int4dq": _int4dq, "int8": _int8, "fp8": _fp8, "intx": _intx, "intxdq": _intxdq}
+
+
+def _register_engine(suffix: str, capability_: object, min_rows: dict, tiles: bool, offset: int) -> None:
+    """The six bf16 rows on one engine: kernels named cpu_<format>_<suffix>, taken from min_rows[format]
+    rows, where capability_ holds. offset lowers the priority (an engine below another that may
+    hold on the same machine)."""
+    rows = {f: _many_bf16_rows(f, min_rows) for f in FUNCTIONS}
+    conditions = {
+        "int4": ("Int4Tensor", 35, ("cpu_int4_pairs",),
+                 lambda x, w: rows["int4"](x, w) and w.qdata.is_contiguous() and w.scale.is_contiguous()),
+        "int4dq": ("Int4DQTensor", 35, ("cpu_int4dq",),
+                   lambda x, w: rows["int4dq"](x, w) and w.qdata.is_contiguous() and w.gparams.is_contiguous()),
+        "int8": ("Int8Tensor", 35, None, lambda x, w: rows["int8"](x, w) and _per_row(w) and w.qdata.is_contiguous()),
+        "fp8": ("Float8Tensor", 25, None, lambda x, w: rows["fp8"](x, w) and _float8_cpu_applies(x, w)),
+        "intx": ("IntxTensor", 35, None,
+                 lambda x, w: rows["intx"](x, w) and cpu_intx._fields_fit(w) and _intx_groups_fit(w)),
+        "intxdq": ("IntxDQTensor", 35, None,
+                   lambda x, w: rows["intxdq"](x, w) and cpu_intx._dq_fields_fit(w) and _intx_groups_fit(w)),
+    }
+    for fmt, (type_name, priority, reads, when) in conditions.items():
+        extra = {"reads": reads} if reads else {}
+        fn = functools.partial(FUNCTIONS[fmt], tiles=tiles)
+        register_kernel("linear", type_name, f"cpu_{fmt}_{suffix}", backend="cpu", priority=priority - offset,
+                        device="cpu", needs=(CPU_EXT, capability_), when=when, **extra)(fn)
+
+
+_register_engine("amx", AMX, MIN_ROWS, tiles=True, offset=0)
+_register_engine("avx512bf16", AVX512_BF16, MIN_ROWS_AVX512_BF16, tiles=False, offset=1)
 
 
 def _int8dyn_applies(x, w) -> bool:
@@ -180,33 +254,3 @@ def _int8dyn(x, w, bias):
     rounds the dequantized activations and weight to x's dtype first, so the outputs differ by
     that rounding, not by the integer products."""
     return _apply(x, w.qdata.shape[1], int8dyn_amx_linear, w.qdata, w.scale, bias)
-
-
-@register_kernel("linear", "Float8Tensor", "cpu_fp8_amx", backend="cpu", priority=25, device="cpu", needs=_NEEDS,
-                 when=lambda x, w: _fp8_rows(x, w) and _float8_cpu_applies(x, w))
-def _fp8(x, w, bias):
-    x = w.simulate_input_quantization(x)
-    codes = w.qdata
-    scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
-    return _apply(x, _in_features(w), fp8_amx_linear, codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype], bias)
-
-
-# IntxTensor and IntxDQTensor: their bit streams decoded 32 rows at a time into bf16 panels
-# (csrc/intx.cpp IntxRowsPanel; groups of a multiple of 16 columns).
-def _intx_groups_fit(w) -> bool:
-    return w.block_size[-1] % 16 == 0
-
-
-@register_kernel("linear", "IntxTensor", "cpu_intx_amx", backend="cpu", priority=35, device="cpu", needs=_NEEDS,
-                 when=lambda x, w: _intx_rows(x, w) and cpu_intx._fields_fit(w) and _intx_groups_fit(w))
-def _intx(x, w, bias):
-    x = w.simulate_input_quantization(x)
-    return _apply(x, _in_features(w), intx_amx_linear, w.qdata, w.scale, w.zero, w.bits, w.block_size[-1], bias)
-
-
-@register_kernel("linear", "IntxDQTensor", "cpu_intxdq_amx", backend="cpu", priority=35, device="cpu", needs=_NEEDS,
-                 when=lambda x, w: _intxdq_rows(x, w) and cpu_intx._dq_fields_fit(w) and _intx_groups_fit(w))
-def _intxdq(x, w, bias):
-    rows = None if torch.compiler.is_compiling() else cpu_intx._dq_rows(w)
-    return _apply(x, _in_features(w), intxdq_amx_linear, w.qdata, w.gparams, w.rparams, w.tparams, w.bits,
-                  w.block_size[-1], bias, rows)

@@ -1,9 +1,10 @@
-"""The AMX tile GEMM rows (kernels/cpu_amx.py, csrc/amx_gemm.h): the weight each panel holds is the
-reference's dequantize(bfloat16) bit for bit, the outputs agree with the reference kernel within
-float32 accumulation, every chunking and tail path runs, and the kernel table takes them only
-where they apply. Int8 weights with dynamic int8 activations on the int8 tiles: the activation
-codes are the reference's and the integer products exact. Skipped, saying why, where the CPU (or
-OS) does not grant AMX-BF16 (AMX-INT8 for the int8-tile tests)."""
+"""The bf16 panel GEMM rows (kernels/cpu_amx.py, csrc/amx_gemm.h), on both of their engines, AMX
+tiles and AVX512-BF16's dot products: the weight each panel holds is the reference's
+dequantize(bfloat16) bit for bit, the outputs agree with the reference kernel within float32
+accumulation, every chunking and tail path runs, and the kernel table takes them only where they
+apply (the AMX rows where AMX is granted, else the AVX512-BF16 rows). Int8 weights with dynamic int8
+activations on the int8 tiles: the activation codes are the reference's and the integer products
+exact. Each engine is skipped, saying why, where the CPU (or OS, or build) does not allow it."""
 from __future__ import annotations
 
 import pytest
@@ -16,16 +17,26 @@ from hf_aoq.kernels.reference import reference_linear
 from hf_aoq.tensors.float8 import PerTensor
 
 AMX = cpu_isa.amx_bf16_allowed() and cpu_ext.available() and cpu_ext.load().amx_available()
-pytestmark = pytest.mark.skipif(
-    not AMX, reason=f"this CPU (or OS, or build) grants no AMX-BF16 ({cpu_isa.describe()['flags']}, "
-                    f"extension {cpu_ext.chosen_isa()}): the AMX rows are skipped")
+# The dot-product engine runs wherever the avx512 build does (AVX512-BF16 is one of its flags),
+# AMX machines included, though the table takes it only where AMX is not.
+DOT = cpu_isa.avx512_allowed() and cpu_ext.available() and cpu_ext.chosen_isa() == "avx512"
+_HERE = f"({cpu_isa.describe()['flags']}, extension {cpu_ext.chosen_isa()})"
+ENGINES = [
+    pytest.param(True, id="amx", marks=pytest.mark.skipif(
+        not AMX, reason=f"this CPU (or OS, or build) grants no AMX-BF16 {_HERE}: the AMX engine is skipped")),
+    pytest.param(False, id="avx512bf16", marks=pytest.mark.skipif(
+        not DOT, reason=f"no AVX512-BF16 build here {_HERE}: the dot-product engine is skipped")),
+]
+# The engine the kernel table takes here, its rows' names and their fewest rows.
+TABLE_ENGINE = "amx" if AMX else "avx512bf16" if DOT and cpu_isa.bf16_gemm_isa() == "avx512_bf16" else None
+MIN_ROWS = cpu_amx.MIN_ROWS if TABLE_ENGINE == "amx" else cpu_amx.MIN_ROWS_AVX512_BF16
+needs_table_engine = pytest.mark.skipif(
+    TABLE_ENGINE is None, reason=f"neither engine runs here {_HERE}: the table's panel rows are skipped")
 
 AMX_INT8 = AMX and cpu_isa.amx_int8_allowed()
-needs_amx_int8 = pytest.mark.skipif(not AMX_INT8, reason=f"this CPU grants AMX-BF16 but not AMX-INT8 "
-                                                         f"({cpu_isa.describe()['flags']})")
+needs_amx_int8 = pytest.mark.skipif(not AMX_INT8, reason=f"this CPU grants no AMX-INT8 {_HERE}")
 
-ROW = {"int4": "cpu_int4_amx", "int4dq": "cpu_int4dq_amx", "int8": "cpu_int8_amx", "fp8": "cpu_fp8_amx",
-       "intx": "cpu_intx_amx", "intxdq": "cpu_intxdq_amx"}
+ROW = {fmt: f"cpu_{fmt}_{TABLE_ENGINE}" for fmt in ("int4", "int4dq", "int8", "fp8", "intx", "intxdq")}
 
 
 def _weights(n: int, k: int, seed: int = 0) -> dict[str, tuple[str, object]]:
@@ -49,24 +60,25 @@ def _weights(n: int, k: int, seed: int = 0) -> dict[str, tuple[str, object]]:
     return out
 
 
-def _run(fmt: str, x: torch.Tensor, w, bias=None) -> torch.Tensor:
-    return {"int4": cpu_amx._int4, "int4dq": cpu_amx._int4dq, "int8": cpu_amx._int8, "fp8": cpu_amx._fp8,
-            "intx": cpu_amx._intx, "intxdq": cpu_amx._intxdq}[fmt](x, w, bias)
+def _run(fmt: str, x: torch.Tensor, w, bias=None, tiles=True) -> torch.Tensor:
+    return cpu_amx.FUNCTIONS[fmt](x, w, bias, tiles=tiles)
 
 
+@pytest.mark.parametrize("tiles", ENGINES)
 @pytest.mark.parametrize("name", list(_weights(64, 256)))
-def test_panels_hold_the_reference_weight_bit_for_bit(name):
+def test_panels_hold_the_reference_weight_bit_for_bit(name, tiles):
     # x = the identity: each output is one product w * 1.0, exact in float32, so y = W^T exactly
     # when the panel's bf16 values are dequantize(bfloat16)'s.
     fmt, w = _weights(64, 256)[name]
     x = torch.eye(256, dtype=torch.bfloat16)
-    y = _run(fmt, x, w)
+    y = _run(fmt, x, w, tiles=tiles)
     assert torch.equal(y, w.dequantize(torch.bfloat16).t()), name
 
 
-def test_denormal_weights_read_as_zero_as_the_tile_multiply_reads_them():
-    # The tile multiply (TDPBF16PS) treats denormal bf16 inputs as zero, in aten's AMX GEMM as
-    # here; the panels' conversion flushes each weight whose float32 value is denormal (before
+@pytest.mark.parametrize("tiles", ENGINES)
+def test_denormal_weights_read_as_zero_as_the_tile_multiply_reads_them(tiles):
+    # The tile multiply (TDPBF16PS) and the dot product (VDPBF16PS) treat denormal bf16 inputs as
+    # zero, in aten's AMX GEMM as here; the panels' conversion flushes each weight whose float32 value is denormal (before
     # rounding: one just below 2^-126 would round up to the smallest normal). Every other weight
     # stays exact.
     torch.manual_seed(1)
@@ -81,7 +93,7 @@ def test_denormal_weights_read_as_zero_as_the_tile_multiply_reads_them():
         denormal = (want != 0) & (want.abs() < 2.0 ** -126)
         assert denormal.any() and (want.abs() >= 2.0 ** -126).any(), fmt
         assert torch.equal(w.dequantize(torch.bfloat16), want.bfloat16()), fmt  # one rounding of these floats
-        assert torch.equal(_run(fmt, x, w), torch.where(denormal, 0, want).bfloat16().t()), fmt
+        assert torch.equal(_run(fmt, x, w, tiles=tiles), torch.where(denormal, 0, want).bfloat16().t()), fmt
 
 
 def _within_fp32_accumulation(y: torch.Tensor, x: torch.Tensor, w_bf16: torch.Tensor, bias) -> None:
@@ -95,14 +107,15 @@ def _within_fp32_accumulation(y: torch.Tensor, x: torch.Tensor, w_bf16: torch.Te
     assert (err <= bound).all(), float((err / bound).max())
 
 
+@pytest.mark.parametrize("tiles", ENGINES)
 @pytest.mark.parametrize("rows", [1, 16, 33, 64, 257])
-def test_outputs_agree_with_the_reference_kernel(rows):
+def test_outputs_agree_with_the_reference_kernel(rows, tiles):
     torch.manual_seed(rows)
     for name, (fmt, w) in _weights(96, 384, seed=rows).items():
         bias = torch.randn(96, dtype=torch.bfloat16)
         x = torch.randn(rows, 384, dtype=torch.bfloat16)
         for b in (None, bias):
-            y = _run(fmt, x, w, b)
+            y = _run(fmt, x, w, b, tiles=tiles)
             ref = reference_linear(x, w, b)
             assert y.dtype == torch.bfloat16 and y.shape == ref.shape
             _within_fp32_accumulation(y, w.simulate_input_quantization(x), w.dequantize(torch.bfloat16), b)
@@ -110,7 +123,8 @@ def test_outputs_agree_with_the_reference_kernel(rows):
             assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2), name
 
 
-def test_chunks_of_rows_and_of_k():
+@pytest.mark.parametrize("tiles", ENGINES)
+def test_chunks_of_rows_and_of_k(tiles):
     # 300 rows: a chunk of 256 and one of 44 (a last 32-row block and a 12-row tail); K = 4096 at
     # 256 rows is 2 MB of activations, past the 1 MB chunk: three chunks of k, the sums carried
     # across them in the per-thread buffer. Also columns of x fewer than the padded K.
@@ -121,19 +135,20 @@ def test_chunks_of_rows_and_of_k():
                    ("intx", IntxTensor.from_float(w.bfloat16(), 3, 64, symmetric=False)),
                    ("intxdq", IntxDQTensor.from_float(w, 3, 32))):
         x = torch.randn(300, 4096, dtype=torch.bfloat16)
-        _within_fp32_accumulation(_run(fmt, x, q), x, q.dequantize(torch.bfloat16), None)
+        _within_fp32_accumulation(_run(fmt, x, q, tiles=tiles), x, q.dequantize(torch.bfloat16), None)
     # At most 16 rows (half blocks: the tiles of rows 16-31 skipped) with k in chunks: 12 rows x
     # 49152 is 1.2 MB of bf16 activations.
     w = torch.randn(32, 49152) * 0.05
     x = torch.randn(12, 49152, dtype=torch.bfloat16)
     for fmt, q in (("int8", Int8Tensor.from_float(w)), ("int4", Int4Tensor.from_float(w.bfloat16(), 128).place())):
-        _within_fp32_accumulation(_run(fmt, x, q), x, q.dequantize(torch.bfloat16), None)
+        _within_fp32_accumulation(_run(fmt, x, q, tiles=tiles), x, q.dequantize(torch.bfloat16), None)
     padded = Int4Tensor.from_float(torch.randn(64, 320, dtype=torch.bfloat16), 128).place()  # K padded to 384
     x = torch.randn(40, 320, dtype=torch.bfloat16)
-    _within_fp32_accumulation(_run("int4", x, padded), x, padded.dequantize(torch.bfloat16), None)
+    _within_fp32_accumulation(_run("int4", x, padded, tiles=tiles), x, padded.dequantize(torch.bfloat16), None)
 
 
-def test_scratch_kept_between_calls_leaks_nothing():
+@pytest.mark.parametrize("tiles", ENGINES)
+def test_scratch_kept_between_calls_leaks_nothing(tiles):
     # The x blocks, panels and sums are kept per thread between calls and not zero-filled
     # (amx_gemm.h AmxBuffer): a call must take no value a larger call left there (its panel and x
     # blocks written before they are read, its sums started from zero at its first chunk of k).
@@ -147,47 +162,59 @@ def test_scratch_kept_between_calls_leaks_nothing():
                                   ("int8 chunked", Int8Tensor.from_float(torch.randn(32, 32768) * 0.05), 20),
                                   ("fp8", Float8Tensor.from_float(torch.randn(32, 192) * 0.05), 33),
                                   ("int4", Int4Tensor.from_float(torch.randn(96, 256, dtype=torch.bfloat16), 128).place(), 7))}
-    before = {name: _run(name.split()[0], x, q) for name, (q, x) in small.items()}
+    before = {name: _run(name.split()[0], x, q, tiles=tiles) for name, (q, x) in small.items()}
     for name, (q, x) in small.items():
         _within_fp32_accumulation(before[name], x, q.dequantize(torch.bfloat16), None)
     big = Int8Tensor.from_float(torch.randn(64, 4096) * 3.0)
-    _run("int8", torch.randn(300, 4096, dtype=torch.bfloat16) * 100, big)
-    _run("fp8", torch.randn(300, 4096, dtype=torch.bfloat16) * 100, Float8Tensor.from_float(torch.randn(64, 4096)))
+    _run("int8", torch.randn(300, 4096, dtype=torch.bfloat16) * 100, big, tiles=tiles)
+    _run("fp8", torch.randn(300, 4096, dtype=torch.bfloat16) * 100, Float8Tensor.from_float(torch.randn(64, 4096)),
+         tiles=tiles)
     _run("int4", torch.randn(12, 49152, dtype=torch.bfloat16) * 100,
-         Int4Tensor.from_float(torch.randn(32, 49152, dtype=torch.bfloat16), 128).place())
-    _run("int8", torch.randn(600, 8192, dtype=torch.bfloat16) * 100, Int8Tensor.from_float(torch.randn(32, 8192)))
+         Int4Tensor.from_float(torch.randn(32, 49152, dtype=torch.bfloat16), 128).place(), tiles=tiles)
+    _run("int8", torch.randn(600, 8192, dtype=torch.bfloat16) * 100, Int8Tensor.from_float(torch.randn(32, 8192)),
+         tiles=tiles)
     for name, (q, x) in small.items():
-        assert torch.equal(_run(name.split()[0], x, q), before[name]), name
+        assert torch.equal(_run(name.split()[0], x, q, tiles=tiles), before[name]), name
 
 
-def test_the_table_takes_the_amx_rows_where_they_apply(monkeypatch):
+@needs_table_engine
+def test_the_table_takes_the_panel_rows_where_they_apply(monkeypatch):
     weights = _weights(64, 256)
     for name, (fmt, w) in weights.items():
         if name == "int8 dynamic" and AMX_INT8:
             continue  # the int8 tiles' row, above these: test_the_table_takes_the_int8_tile_row
-        rows = cpu_amx.MIN_ROWS[fmt]
+        rows = MIN_ROWS[fmt]
 
         def chosen(m, dtype=torch.bfloat16, w=w):
             return select_kernel("linear", torch.randn(2, m, 256, dtype=dtype), w).name
 
         assert chosen((rows + 1) // 2) == ROW[fmt], name  # rows counted over every leading dimension
         assert chosen(rows // 2 - 1) != ROW[fmt], name
-        for dtype in (torch.float32, torch.float16):  # AMX-BF16 multiplies bf16 only
+        for dtype in (torch.float32, torch.float16):  # the tiles and the dot products multiply bf16 only
             assert chosen(rows, dtype) != ROW[fmt], name
-    # Shapes the tiles do not take: N or K not a multiple of 32.
+    # Shapes the panels do not take: N or K not a multiple of 32.
     odd = Int8Tensor.from_float(torch.randn(48, 256))
     assert select_kernel("linear", torch.randn(64, 256, dtype=torch.bfloat16), odd).name != ROW["int8"]
-    # Without AMX (taken away by HF_AOQ_CPU_ISA), the rows never run.
-    monkeypatch.setenv("HF_AOQ_CPU_ISA", "avx512")
-    registry.forget_capabilities()
+    w = Int8Tensor.from_float(torch.randn(64, 256))
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
     try:
-        w = Int8Tensor.from_float(torch.randn(64, 256))
-        assert select_kernel("linear", torch.randn(256, 256, dtype=torch.bfloat16), w).name != ROW["int8"]
+        if AMX:
+            # Without AMX (taken away by HF_AOQ_CPU_ISA), the AMX rows never run; the AVX512-BF16
+            # rows run in their place.
+            monkeypatch.setenv("HF_AOQ_CPU_ISA", "avx512")
+            registry.forget_capabilities()
+            assert select_kernel("linear", x, Int8Tensor.from_float(torch.randn(64, 256))).name == "cpu_int8_avx512bf16"
+        # Without a native bf16 GEMM (neither AMX nor AVX512-BF16), neither engine's rows run.
+        monkeypatch.setattr(cpu_isa, "bf16_gemm_isa", lambda: None)
+        monkeypatch.setattr(cpu_isa, "amx_bf16_allowed", lambda: False)
+        registry.forget_capabilities()
+        assert select_kernel("linear", x, w).name not in ("cpu_int8_amx", "cpu_int8_avx512bf16")
     finally:
         monkeypatch.undo()
         registry.forget_capabilities()
 
 
+@needs_table_engine
 def test_f_linear_runs_them_eagerly_and_compiled():
     torch.manual_seed(4)
     w = Int4Tensor.from_float(torch.randn(96, 256, dtype=torch.bfloat16), 64).place()
@@ -196,7 +223,7 @@ def test_f_linear_runs_them_eagerly_and_compiled():
     assert select_kernel("linear", x, w).name == ROW["int4"]
     eager = F.linear(x, w, bias)
     assert eager.shape == (3, 40, 96)
-    torch.testing.assert_close(eager, _run("int4", x, w, bias))
+    torch.testing.assert_close(eager, _run("int4", x, w, bias, tiles=TABLE_ENGINE == "amx"))
     compiled = torch.compile(lambda x: F.linear(x, w, bias), fullgraph=True)(x)
     assert torch.equal(compiled, eager)
 

@@ -137,8 +137,10 @@ def test_bf16_gemm_row_gives_the_references_bits():
     w = make_weight(24, 256, 3, 32)
     x = torch.randn(cpu_gemm.min_rows("intx"), 256, dtype=torch.bfloat16)
     assert gemm.when(x, w) and not gemm.when(x[:-1], w)
-    # where hf_aoq's AMX tiles run, their row comes first (priority 35 against 30)
-    assert registry.select_kernel("linear", x, w).name in ("cpu_intxdq_bf16_gemm", "cpu_intxdq_amx")
+    # where hf_aoq's panel rows run (AMX tiles, or AVX512-BF16's dot products), they come first
+    # (priority 35 and 34 against 30)
+    assert registry.select_kernel("linear", x, w).name in ("cpu_intxdq_bf16_gemm", "cpu_intxdq_amx",
+                                                           "cpu_intxdq_avx512bf16")
     assert torch.equal(gemm.fn(x, w, None), torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
 
 

@@ -160,11 +160,14 @@ def test_placed_int4_rows_follow_dtype_rows_fields_and_the_isa_variable(ran, mon
             F.linear(x1, w)
         assert ran == ["cpu_int4_ext"] * 3
         del ran[:]
-        many = torch.randn(1, max(cpu_gemm.min_rows("int4"), cpu_amx.MIN_ROWS["int4"]), 256, dtype=torch.bfloat16)
+        many = torch.randn(1, max(cpu_gemm.min_rows("int4"), cpu_amx.MIN_ROWS["int4"],
+                                  cpu_amx.MIN_ROWS_AVX512_BF16["int4"]), 256, dtype=torch.bfloat16)
         F.linear(many, w)
         cpu = torch.device("cpu")
-        if registry.capable(cpu_amx._NEEDS, cpu):
+        if registry.capable((cpu_amx.CPU_EXT, cpu_amx.AMX), cpu):
             want = "cpu_int4_amx"
+        elif registry.capable((cpu_amx.CPU_EXT, cpu_amx.AVX512_BF16), cpu):
+            want = "cpu_int4_avx512bf16"
         else:
             want = "cpu_int4_bf16_gemm" if registry.capable(cpu_gemm._NEEDS, cpu) else "cpu_int4_ext"
         assert ran == [want]

@@ -66,7 +66,7 @@ def test_cpp_rows_refuse_it_and_the_reference_kernel_runs(rows, dtype):
     w = IntxTensor.from_float(torch.randn(24, 256, generator=gen).to(dtype), 3, 32, symmetric=False, act_quant=ASYM)
     x = torch.randn(rows, 256, generator=gen).to(dtype)
     rows_ = {k.name: k for k in registry.kernels_for("linear", "IntxTensor")}
-    for name in ("cpu_intx_ext", "cpu_intx_bf16_gemm", "cpu_intx_amx"):
+    for name in ("cpu_intx_ext", "cpu_intx_bf16_gemm", "cpu_intx_amx", "cpu_intx_avx512bf16"):
         assert not rows_[name].when(x, w), name
     # It is the activation mode that the C++ row refuses: the same weight with symmetric ones fits.
     assert rows_["cpu_intx_ext"].when(x, w.replace(act_quant="per_token"))

@@ -261,15 +261,15 @@ struct Fp8Panel {
 
 // x: bfloat16 [M, K]; codes: uint8 [N, K] (float8 bits) contiguous, N and K multiples of 32;
 // scale: float32 [N]; shift: 20 (e4m3fn) or 21 (e5m2). F.linear in bf16 on AMX tiles
-// (amx_gemm.h): the weight's bf16 values are the reference's dequantize(bfloat16) (the code's
+// or AVX512-BF16's dot products (amx_gemm.h): the weight's bf16 values are the reference's dequantize(bfloat16) (the code's
 // value times its row's scale in float32, rounded once), bit for bit. Returns bfloat16 [M, N].
 torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
-                             c10::optional<torch::Tensor> bias) {
-  check_amx_usable();
+                             c10::optional<torch::Tensor> bias, bool tiles) {
+  check_panel_gemm_usable(tiles);
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous uint8 [N, K]");
   TORCH_CHECK(shift == 20 || shift == 21, "shift: 20 (e4m3fn) or 21 (e5m2)");
   const int64_t N = codes.size(0), K = codes.size(1);
-  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and K multiples of 32, got ", N, " x ", K);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the panel GEMM takes N and K multiples of 32, got ", N, " x ", K);
   TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == N && scale.is_contiguous(), "scale: float32 [N]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [M, ", K, "]");
   const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
@@ -279,7 +279,7 @@ torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor
   const Fp8Lanes lanes{static_cast<int>(shift), _mm512_set1_ps(shift == 20 ? std::ldexp(1.f, 120) : std::ldexp(1.f, 112))};
   amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), K, xa.size(0), N, K, 32,
                   b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
-                  Fp8Panel{{codes.data_ptr<uint8_t>(), sp, K, lanes}});
+                  Fp8Panel{{codes.data_ptr<uint8_t>(), sp, K, lanes}}, tiles);
 #endif
   return y;
 }

@@ -14,24 +14,26 @@ torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k);
 torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size, int64_t k,
                                   torch::ScalarType dtype);
 
-// *_amx_linear: F.linear for bfloat16 activations on AMX tiles, the weight dequantized 32 output
-// columns at a time as the reference dequantizes it (amx_gemm.h), for many rows; bfloat16 [M, N].
-// Only where amx_available(); elsewhere they raise.
+// *_amx_linear: F.linear for bfloat16 activations at many rows, the weight dequantized 32 output
+// columns at a time as the reference dequantizes it into a small bf16 panel (amx_gemm.h), and
+// multiplied on AMX tiles (tiles) or on AVX512-BF16's dot products (not tiles); bfloat16 [M, N].
+// Tiles only where amx_available(), the dot products only in the avx512 build; elsewhere they raise.
 torch::Tensor int4pack_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
-                                  c10::optional<torch::Tensor> bias);
+                                  c10::optional<torch::Tensor> bias, bool tiles);
 torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
-                                torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias);
-torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
+                                torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles);
+torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                              bool tiles);
 // int8.cpp: int8 weights with dynamic int8 activations on AMX's int8 tiles, x float32, bf16 or
 // fp16 (quantized per row inside, as the reference does); [M, N] in x's dtype.
 torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
-                             c10::optional<torch::Tensor> bias);
+                             c10::optional<torch::Tensor> bias, bool tiles);
 torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
-                              int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias);
+                              int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles);
 torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias,
-                                c10::optional<torch::Tensor> rows);
+                                c10::optional<torch::Tensor> rows, bool tiles);
 // amx.cpp: whether this binary has the AMX kernels and this process may run them.
 bool amx_available();
 // bandwidth.cpp: the XOR of a uint8 buffer's 8-byte words, read once over aten's threads (the

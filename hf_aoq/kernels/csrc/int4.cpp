@@ -44,14 +44,14 @@ torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero
 }
 
 // x: bfloat16 [M, k], k <= K; packed and scale_zero as for int4pack_linear, N a multiple of 32,
-// K of 32. F.linear in bf16 on AMX tiles (amx_gemm.h): the weight's bf16 values are the
+// K of 32. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h): the weight's bf16 values are the
 // reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
 torch::Tensor int4pack_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
-                                  c10::optional<torch::Tensor> bias) {
-  check_amx_usable();
+                                  c10::optional<torch::Tensor> bias, bool tiles) {
+  check_panel_gemm_usable(tiles);
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(), "packed: contiguous uint8 [N, K/2]");
-  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and K multiples of 32, got ", N, " x ", K);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the panel GEMM takes N and K multiples of 32, got ", N, " x ", K);
   const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
   auto y = torch::empty({xa.size(0), N}, xa.options());
 #if HF_AOQ_AMX
@@ -60,7 +60,7 @@ torch::Tensor int4pack_amx_linear(torch::Tensor x, torch::Tensor packed, torch::
     using P = std::decay_t<decltype(params)>;
     amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), K, xa.size(0), N, K, std::lcm<int64_t>(32, group_size),
                     b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
-                    Int4PairsPanel<P>{w, params, K, group_size});
+                    Int4PairsPanel<P>{w, params, K, group_size}, tiles);
   });
 #endif
   return y;

@@ -343,21 +343,21 @@ torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams, tor
 }
 
 // x: bfloat16 [M, k], k <= Kp; the weight's arguments as for int4dq_linear, N a multiple of 32,
-// Kp of 32. F.linear in bf16 on AMX tiles (amx_gemm.h): the weight's bf16 values are the
+// Kp of 32. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h): the weight's bf16 values are the
 // reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
 torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
-                                torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias) {
-  check_amx_usable();
+                                torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles) {
+  check_panel_gemm_usable(tiles);
   torch::Tensor rows;
   const DQParams params = dq_params(packed, gparams, rparams, tparams, group_size, rows);
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and Kp multiples of 32, got ", N, " x ", K);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the panel GEMM takes N and Kp multiples of 32, got ", N, " x ", K);
   const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
   auto y = torch::empty({xa.size(0), N}, xa.options());
 #if HF_AOQ_AMX
   amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), K, xa.size(0), N, K, std::lcm<int64_t>(32, group_size),
                   b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
-                  Int4PairsPanel<DQParams>{packed.data_ptr<uint8_t>(), params, K, group_size});
+                  Int4PairsPanel<DQParams>{packed.data_ptr<uint8_t>(), params, K, group_size}, tiles);
 #endif
   return y;
 }

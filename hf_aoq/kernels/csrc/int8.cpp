@@ -410,15 +410,16 @@ torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
 }
 
 // x: bfloat16 [M, K]; q: int8 [N, K] contiguous, N and K multiples of 32; scale: [N] (or [N, 1]),
-// any float dtype. F.linear in bf16 on AMX tiles (amx_gemm.h): the weight's bf16 values are the
+// any float dtype. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h): the weight's bf16 values are the
 // reference's dequantize(bfloat16) (q * scale in float32, rounded once), bit for bit. Returns
 // bfloat16 [M, N].
-torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  check_amx_usable();
+torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
+                             bool tiles) {
+  check_panel_gemm_usable(tiles);
   const Int8Weight w = check_int8_weight(q, scale);
   const int64_t N = w.N, K = w.K;
   const torch::Tensor& s = w.scale;
-  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the AMX kernel takes N and K multiples of 32, got ", N, " x ", K);
+  TORCH_CHECK(N % 32 == 0 && K % 32 == 0, "the panel GEMM takes N and K multiples of 32, got ", N, " x ", K);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x: [M, ", K, "]");
   const torch::Tensor xa = amx_input(x, K), b = amx_bias(bias, N);
   auto y = torch::empty({xa.size(0), N}, xa.options());
@@ -426,7 +427,7 @@ torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor sc
   const float* sp = s.data_ptr<float>();
   amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), K, xa.size(0), N, K, 32,
                   b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
-                  RowScalePanel<int8_t, Int8Lanes>{q.data_ptr<int8_t>(), sp, K, Int8Lanes{}});
+                  RowScalePanel<int8_t, Int8Lanes>{q.data_ptr<int8_t>(), sp, K, Int8Lanes{}}, tiles);
 #endif
   return y;
 }

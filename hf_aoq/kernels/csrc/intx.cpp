@@ -44,7 +44,7 @@
 #include <immintrin.h>
 #endif
 
-#include "amx_gemm.h"     // amx_linear_bf16: many bf16 rows on AMX tiles
+#include "amx_gemm.h"     // amx_linear_bf16: many bf16 rows on AMX tiles or AVX512-BF16
 #include "hf_aoq_cpu.h"
 #include "int4_pairs.h"   // quantize_rows16 (int16 activation codes), dequant_gemm.h
 #include "int4dq_rows.h"  // int4dq_decode: IntxDQTensor's row grid
@@ -687,12 +687,12 @@ torch::Tensor dequantize(const IntxWeight& w, int64_t bits, int64_t k, torch::Sc
   return out;
 }
 
-// F.linear(x, w, bias) on AMX tiles (see intx_amx_linear).
+// F.linear(x, w, bias) on AMX tiles or AVX512-BF16's dot products (see intx_amx_linear).
 torch::Tensor amx_linear(const IntxWeight& w, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias,
-                         int64_t bits) {
-  check_amx_usable();
+                         int64_t bits, bool tiles) {
+  check_panel_gemm_usable(tiles);
   TORCH_CHECK(w.N % 32 == 0 && w.K % 32 == 0 && w.g % 16 == 0,
-              "the AMX kernel takes N and K multiples of 32 and groups of a multiple of 16, got ", w.N, " x ", w.K,
+              "the panel GEMM takes N and K multiples of 32 and groups of a multiple of 16, got ", w.N, " x ", w.K,
               ", groups of ", w.g);
   const torch::Tensor xa = amx_input(x, w.K), b = amx_bias(bias, w.N);
   auto y = torch::empty({xa.size(0), w.N}, xa.options());
@@ -701,7 +701,7 @@ torch::Tensor amx_linear(const IntxWeight& w, const torch::Tensor& x, const c10:
     constexpr int B = decltype(bc)::value;
     amx_linear_bf16(reinterpret_cast<const uint16_t*>(xa.data_ptr()), w.K, xa.size(0), w.N, w.K, 32,
                     b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()),
-                    IntxRowsPanel<B>{w});
+                    IntxRowsPanel<B>{w}, tiles);
   });
 #endif
   return y;
@@ -710,22 +710,22 @@ torch::Tensor amx_linear(const IntxWeight& w, const torch::Tensor& x, const c10:
 }  // namespace
 
 // x: bfloat16 [M, k]; the IntxTensor weight's fields as for intx_linear_io, N and k multiples of
-// 32, groups of a multiple of 16. F.linear in bf16 on AMX tiles (amx_gemm.h), the weight written
+// 32, groups of a multiple of 16. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h), the weight written
 // 32 rows at a time as bf16 panels whose values are the reference's dequantize(bfloat16), bit for
 // bit. Returns bfloat16 [M, N].
 torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
-                              int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias) {
+                              int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles) {
   const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, x.size(-1));
-  return amx_linear(w, x, bias, bits);
+  return amx_linear(w, x, bias, bits, tiles);
 }
 
 // The same for IntxDQTensor's fields (as for intxdq_linear_io).
 torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias,
-                                c10::optional<torch::Tensor> rows) {
+                                c10::optional<torch::Tensor> rows, bool tiles) {
   torch::Tensor table;
   const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, rows, bits, group_size, x.size(-1), table);
-  return amx_linear(w, x, bias, bits);
+  return amx_linear(w, x, bias, bits, tiles);
 }
 
 // F.linear(x, IntxTensor weight, bias): x float32 / bfloat16 / float16 [..., k]; qdata uint8 [N,
