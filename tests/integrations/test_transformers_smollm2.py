@@ -10,7 +10,8 @@ The text is the first 512 tokens of gensim's lee_background.cor (tests/data/READ
 Perplexities measured when the thresholds were set (torch 2.13 CPU, transformers 5.24):
 bf16 25.48, int8 25.37 (-0.4%), int4 g32 25.47 (-0.1%); int4 g128 (every projection, the
 576-wide ones in four groups of 128 and a partial one of 64): min/max 42.90 (+68.4%), default
-MSE search 38.93 (+52.8%), GPTQ on 1,024 other tokens 38.63 (+51.6%).
+MSE search 38.93 (+52.8%), GPTQ on 1,024 other tokens 38.63 (+51.6%; the GPTQ tests now calibrate
+on 4,096, below).
 scripts/eval_quality.py has the table in issue 7's protocol.
 """
 import math
@@ -47,13 +48,16 @@ def load_quantized(path, recipe):
 
 
 def float_model_and_calibration(path):
-    """The bf16 model from `path` and 1,024 calibration tokens of TEXT: tokens 4,096 to 5,119,
-    not the scored ones."""
+    """The bf16 model from `path` and 4,096 calibration tokens of TEXT: tokens 4,096 to 8,191 (in
+    windows of 512), not the scored ones. On 1,024 tokens GPTQ's result followed the last bits of
+    its inputs: a change of GEMM on one machine (a Zen 4's bf16 rows from dequantize + oneDNN's GEMM
+    to hf_aoq's AVX512-BF16 panel GEMM, both float32 sums) moved Int4DQ + act-order GPTQ from
+    26.00 to 26.46 against rounding's 26.55 and 26.44; on 4,096 tokens 25.85 and 25.80."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with open(TEXT, encoding="utf-8") as f:
         all_ids = tokenizer(f.read(), return_tensors="pt").input_ids[0]
-    return model, windows(all_ids, tokenizer.bos_token_id, n_tokens=1024, window=512, offset=4096)
+    return model, windows(all_ids, tokenizer.bos_token_id, n_tokens=4096, window=512, offset=4096)
 
 
 def linears(module, fqn) -> bool:
@@ -125,10 +129,12 @@ def test_int4_g128_parameter_choices_rank_as_measured(checkpoint):
     """min/max +68.4%, MSE search (the default) +52.8%, GPTQ on 1,024 other tokens of the same
     text +51.6% left to right when first measured: each ceiling a little above its measurement,
     and each better than the last. GPTQ in act order (calibration's default) against left to right
-    in the same run: 31.10 against 32.91 (bf16 25.47) on the AMX Xeon; 32.32 against 33.27 (bf16
-    25.43) on a Zen 5 (AVX512-BF16, no AMX), where the bf16-GEMM rows run GPTQ's block-by-block
-    forward passes and the evaluation. GPTQ's result moves by a few percent with its inputs' last
-    bits, so act order is held to beating left to right, not to one machine's ceiling."""
+    in the same run, on 1,024 tokens: 31.10 against 32.91 (bf16 25.47) on the AMX Xeon; 32.32
+    against 33.27 (bf16 25.43) on a Zen 5 (AVX512-BF16, no AMX), where the bf16-GEMM rows run
+    GPTQ's block-by-block forward passes and the evaluation. On 4,096 tokens, a Zen 4: 30.04
+    against 30.81 with the AVX512-BF16 panel rows, 29.04 against 32.96 with dequantize + oneDNN's
+    GEMM (bf16 25.43). GPTQ's result moves by a few percent with its inputs' last bits, so act
+    order is held to beating left to right, not to one machine's ceiling."""
     path, ids, baseline = checkpoint
     minmax = perplexity(load_quantized(path, Int4WeightOnlyConfig(128, qparams="minmax")), ids)
     assert minmax <= baseline * 1.71
@@ -170,8 +176,10 @@ def test_int4dq_perplexity_at_the_int4_g128_size(checkpoint, tmp_path):
 
 def test_int4dq_with_act_order_gptq_loses_less_than_rounding(checkpoint):
     """Int4DQ g32 chosen by GPTQ in act order (hf_aoq.gptq, columns by descending input energy)
-    on 1,024 other tokens of the same text, against plain rounding at the same 4.30 bits.
-    Measured on this slice: 26.36 against rounding's 26.41 (bf16 25.47; +3.5% against +3.7%); on
+    on 4,096 other tokens of the same text, against plain rounding at the same 4.30 bits.
+    Measured on this slice, a Zen 4: 25.80 against rounding's 26.44 with the AVX512-BF16 panel
+    rows, 25.85 against 26.55 with dequantize + oneDNN's GEMM (bf16 25.43); on 1,024 tokens it had
+    measured 26.36 against 26.41 on the Xeon and 26.46 against 26.44 on the Zen 4 (failing). On
     issue 7's protocol, calibrated on 4,096 tokens: 31.12 against rounding's 31.60 and
     left-to-right GPTQ's 31.94 (bf16 30.99)."""
     path, ids, baseline = checkpoint
@@ -187,19 +195,17 @@ def test_int4dq_with_act_order_gptq_loses_less_than_rounding(checkpoint):
 
 def test_int3_dq_with_act_order_gptq(checkpoint, monkeypatch):
     """IntxDQ int3 g32 (3-bit codes on Int4DQ's group grid, 3.30 bits per weight) with GPTQ in
-    act order on 1,024 other tokens, against plain rounding. GPTQ at 3 bits on 1,024 tokens follows
-    the last bits of the inputs it is given (calibrated through hf_aoq's C++ kernels, which agree
-    with the reference to 3e-5 of the output's norm, the slice measured 48.74 instead of 43.16),
-    so the calibration runs on the reference kernel, and the C++ kernels are then held to the
-    reference on the calibrated weights. The reference is not the same on every machine either:
-    its bf16 GEMM is oneDNN's, on AMX tiles on the Xeon and AVX512-BF16 dot products on a Zen 4,
-    and the same code calibrated to 44.30 on the one and 48.56 on the other (49.85 on the Zen 4
-    with the calibration in float32), so the ceiling is 2.0x bf16, above both (rounding alone is
-    3.8x). Measured on this slice
-    (Xeon, torch 2.13): bf16 25.45, rounded 97.76, + GPTQ 44.30 (44.29 through the C++ kernels);
-    IntxTensor's asymmetric int3 g64 (3.5 bits) with GPTQ measured 55.34. Issue 21's protocol
-    (scripts/eval_quality.py, GPTQ on 4,096 tokens): 49.62 against rounding's 99.58 and
-    int3-asym g64's 52.58 (bf16 30.98)."""
+    act order on 4,096 other tokens, against plain rounding. GPTQ at 3 bits on 1,024 tokens
+    followed the last bits of the inputs it was given (calibrated through hf_aoq's C++ kernels,
+    which agree with the reference to 3e-5 of the output's norm, the slice measured 48.74 instead
+    of 43.16; through the reference's bf16 GEMM, oneDNN's, 44.30 on the AMX Xeon and 48.56 on a
+    Zen 4), so the calibration runs on the reference kernel, and the C++ kernels are then held to
+    the reference on the calibrated weights. On 4,096 tokens, the Zen 4: bf16 25.43, rounded 97.88,
+    + GPTQ 41.36 (41.47 through the C++ kernels), 1.63x bf16 against the ceiling of 1.8x (2.0x
+    while it calibrated on 1,024 tokens). On 1,024 tokens, the Xeon (torch 2.13): bf16 25.45,
+    rounded 97.76, + GPTQ 44.30 (44.29 through the C++ kernels); IntxTensor's asymmetric int3 g64
+    (3.5 bits) with GPTQ measured 55.34. Issue 21's protocol (scripts/eval_quality.py, GPTQ on
+    4,096 tokens): 49.62 against rounding's 99.58 and int3-asym g64's 52.58 (bf16 30.98)."""
     path, ids, baseline = checkpoint
     rounded = perplexity(load_quantized(path, IntxDQWeightOnlyConfig(3, 32)), ids)
     model, calibration = float_model_and_calibration(path)
@@ -213,5 +219,5 @@ def test_int3_dq_with_act_order_gptq(checkpoint, monkeypatch):
     fast = perplexity(model, ids)
     print(f"bf16 {baseline:.2f}, int3-dq rounded {rounded:.2f}, + GPTQ {calibrated:.2f} (C++ kernels {fast:.2f})")
     assert calibrated < 0.6 * rounded
-    assert calibrated <= baseline * 2.0  # the ceiling on the slice, over the machines measured
+    assert calibrated <= baseline * 1.8  # the ceiling on the slice
     assert fast == pytest.approx(calibrated, rel=0.01)
