@@ -231,13 +231,15 @@ def decode_tps(model, prompt, new_tokens: int) -> float:
 
 
 def kernels_used(fn) -> list[str]:
-    """The hf_aoq kernel-table rows `fn()` ran, as "op Type: kernel (calls)"."""
+    """The hf_aoq kernel-table rows `fn()` ran, as "op Type: kernel (calls)", and the calls of hf_aoq's
+    GEMV for the linears left in bf16 (DenseLinear, as "linear bf16: dense_linear")."""
     try:
         from hf_aoq import kernels
+        from hf_aoq.kernels import cpu_dense
     except ImportError:
         return []
     seen: dict[str, int] = {}
-    select = kernels.select_kernel
+    select, dense = kernels.select_kernel, cpu_dense.dense_linear
 
     def counting(op, x, w):
         k = select(op, x, w)
@@ -245,11 +247,15 @@ def kernels_used(fn) -> list[str]:
         seen[key] = seen.get(key, 0) + 1
         return k
 
-    kernels.select_kernel = counting
+    def counting_dense(x, w, bias):
+        seen["linear bf16: dense_linear"] = seen.get("linear bf16: dense_linear", 0) + 1
+        return dense(x, w, bias)
+
+    kernels.select_kernel, cpu_dense.dense_linear = counting, counting_dense
     try:
         fn()
     finally:
-        kernels.select_kernel = select
+        kernels.select_kernel, cpu_dense.dense_linear = select, dense
     return [f"{k} ({n})" for k, n in sorted(seen.items())]
 
 

@@ -255,6 +255,28 @@ def test_quantize_on_load_matches_quantize_(llama_dir, ids):
     assert torch.equal(logits(loaded, ids), logits(reference, ids))
 
 
+def test_linears_left_in_bf16_run_hf_aoqs_gemv_and_save_as_before(llama_dir, tied_dir, ids, tmp_path):
+    # The lm_head (transformers' default skip) and a layer the recipe skips keep their bf16 weights
+    # and nn.Linear's state; their class gives them hf_aoq's GEMV at decode rows on CPU.
+    from hf_aoq.dense_linear import DenseLinear
+
+    model = load(llama_dir, quantization_config=AOQConfig(RECIPE))
+    assert type(model.lm_head) is DenseLinear and type(model.model.layers[0].mlp.down_proj) is DenseLinear
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # its weight is an Int4Tensor
+    model.save_pretrained(tmp_path / "q")
+    again = load(tmp_path / "q")
+    assert type(again.lm_head) is DenseLinear
+    assert torch.equal(logits(again, ids), logits(model, ids))
+    tied = load(tied_dir, quantization_config=AOQConfig(Int8WeightOnlyConfig()))
+    assert type(tied.lm_head) is DenseLinear and tied.lm_head.weight is tied.model.embed_tokens.weight
+    one = torch.tensor([[5]])
+    with torch.no_grad():
+        h = tied.model(one).last_hidden_state
+        y = tied(one).logits
+    assert torch.allclose(y.float(), torch.nn.functional.linear(h, tied.lm_head.weight).float(), rtol=2 ** -7,
+                          atol=2 ** -7)
+
+
 def test_quantized_logits_are_close_to_float(llama_dir, ids):
     ref = logits(load(llama_dir), ids).float()
     out = logits(load(llama_dir, quantization_config=AOQConfig(Int8WeightOnlyConfig())), ids).float()

@@ -36,6 +36,10 @@ torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Ten
                                 c10::optional<torch::Tensor> rows, bool tiles);
 // amx.cpp: whether this binary has the AMX kernels and this process may run them.
 bool amx_available();
+// dense.cpp: a plain bf16 weight [N, K] against float32 rows [M, K] (float32 [M, N]); linear_io.cpp:
+// F.linear with it in one call (x of any float dtype, the bias added in float32, x's dtype back).
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w);
+torch::Tensor dense_linear_io(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 // bandwidth.cpp: the XOR of a uint8 buffer's 8-byte words, read once over aten's threads (the
 // benchmark's read-bandwidth probe).
 int64_t read_xor(torch::Tensor buf);

@@ -116,6 +116,13 @@ torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor sca
   });
 }
 
+// F.linear(x, w, bias) for a plain bf16 weight [N, K] (contiguous) at few rows (dense.cpp); x of
+// any float dtype, returned in its dtype.
+torch::Tensor dense_linear_io(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 2, "w: [N, K], got ", w.sizes());
+  return linear_io(x, w.size(1), w.size(1), w.size(0), bias, [&](const torch::Tensor& x2) { return bf16_linear(x2, w); });
+}
+
 // F.linear(x, int8 weight, bias) for dynamic per-token int8 activations in one call: each row of x
 // fake-quantized as the reference does (common.quantize_int8_per_token on x.float(), then codes x
 // scale rounded to x's dtype), then int8_linear. The same numbers as Int8Tensor's

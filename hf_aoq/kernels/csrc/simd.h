@@ -72,22 +72,28 @@ constexpr int kDotRows = 8;
 constexpr int kDotRows = 4;
 #endif
 
-// One activation row x against NR weight rows of codes starting at r0 (rows K apart): each x
-// vector is loaded once for the NR rows. widen(p) gives the float32 values of the kLanes codes
+// One activation row x against NR weight rows of codes (one byte, or a bf16 in dense.cpp) starting
+// at r0 (rows K apart): each x vector is loaded once for the NR rows. widen(p) gives the float32 values of the kLanes codes
 // at p, widen1(c) of one code; out gets the NR dot products. Lane l sums the columns k = l mod 16
 // of the full 16-column blocks, vsum adds the lanes, the tail columns are added one by one: the
 // same order in the AVX2 and AVX-512 builds and for every NR, so each row's value does not depend
 // on how many rows it was computed with.
-template <int NR, typename T, class Widen, class Widen1>
+// ToL2: the next block's lines asked for into L2 rather than L1 (dense.cpp's bf16 rows, twice the
+// bytes of the one-byte codes').
+template <int NR, bool ToL2 = false, typename T, class Widen, class Widen1>
 inline void dot_rows(const float* x, const T* r0, int64_t K, const Widen& widen, const Widen1& widen1, float* out) {
-  static_assert(sizeof(T) == 1, "dot_rows prefetches by bytes: one-byte codes");
   vfloat acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
-    if ((k & 63) == 0)
-      for (int r = 0; r < NR; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(r0 + (NR + r) * K + k), _MM_HINT_T0);
+    if (((k * int64_t(sizeof(T))) & 63) == 0)  // once per 64-byte line of each row
+      for (int r = 0; r < NR; ++r) {
+        const char* p = reinterpret_cast<const char*>(r0 + (NR + r) * K + k);
+        if constexpr (ToL2)
+          _mm_prefetch(p, _MM_HINT_T1);
+        else
+          _mm_prefetch(p, _MM_HINT_T0);
+      }
     const vfloat xv = vload(x + k);
     for (int r = 0; r < NR; ++r) acc[r] = vfma(xv, widen(r0 + r * K + k), acc[r]);
   }
