@@ -260,9 +260,10 @@ struct Fp8Panel {
 #endif
 
 // x: bfloat16 [M, K]; codes: uint8 [N, K] (float8 bits) contiguous, N and K multiples of 32;
-// scale: float32 [N]; shift: 20 (e4m3fn) or 21 (e5m2). F.linear in bf16 on AMX tiles
-// or AVX512-BF16's dot products (amx_gemm.h): the weight's bf16 values are the reference's dequantize(bfloat16) (the code's
-// value times its row's scale in float32, rounded once), bit for bit. Returns bfloat16 [M, N].
+// scale: float32 [N]; shift: 20 (e4m3fn) or 21 (e5m2). F.linear in bf16 on AMX tiles (tiles) or
+// AVX512-BF16's dot products (amx_gemm.h): the weight's bf16 values are the reference's
+// dequantize(bfloat16) (the code's value times its row's scale in float32, rounded once), bit for
+// bit. Returns bfloat16 [M, N].
 torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
                              c10::optional<torch::Tensor> bias, bool tiles) {
   check_panel_gemm_usable(tiles);

@@ -44,8 +44,8 @@ torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero
 }
 
 // x: bfloat16 [M, k], k <= K; packed and scale_zero as for int4pack_linear, N a multiple of 32,
-// K of 32. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h): the weight's bf16 values are the
-// reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
+// K of 32. F.linear in bf16 on AMX tiles (tiles) or AVX512-BF16's dot products (amx_gemm.h): the
+// weight's bf16 values are the reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
 torch::Tensor int4pack_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                                   c10::optional<torch::Tensor> bias, bool tiles) {
   check_panel_gemm_usable(tiles);

@@ -343,8 +343,8 @@ torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams, tor
 }
 
 // x: bfloat16 [M, k], k <= Kp; the weight's arguments as for int4dq_linear, N a multiple of 32,
-// Kp of 32. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h): the weight's bf16 values are the
-// reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
+// Kp of 32. F.linear in bf16 on AMX tiles (tiles) or AVX512-BF16's dot products (amx_gemm.h): the
+// weight's bf16 values are the reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
 torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles) {
   check_panel_gemm_usable(tiles);

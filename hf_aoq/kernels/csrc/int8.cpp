@@ -410,9 +410,9 @@ torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor
 }
 
 // x: bfloat16 [M, K]; q: int8 [N, K] contiguous, N and K multiples of 32; scale: [N] (or [N, 1]),
-// any float dtype. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h): the weight's bf16 values are the
-// reference's dequantize(bfloat16) (q * scale in float32, rounded once), bit for bit. Returns
-// bfloat16 [M, N].
+// any float dtype. F.linear in bf16 on AMX tiles (tiles) or AVX512-BF16's dot products
+// (amx_gemm.h): the weight's bf16 values are the reference's dequantize(bfloat16) (q * scale in
+// float32, rounded once), bit for bit. Returns bfloat16 [M, N].
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                              bool tiles) {
   check_panel_gemm_usable(tiles);

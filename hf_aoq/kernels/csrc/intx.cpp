@@ -710,9 +710,9 @@ torch::Tensor amx_linear(const IntxWeight& w, const torch::Tensor& x, const c10:
 }  // namespace
 
 // x: bfloat16 [M, k]; the IntxTensor weight's fields as for intx_linear_io, N and k multiples of
-// 32, groups of a multiple of 16. F.linear in bf16 on AMX tiles or AVX512-BF16's dot products (tiles or not; amx_gemm.h), the weight written
-// 32 rows at a time as bf16 panels whose values are the reference's dequantize(bfloat16), bit for
-// bit. Returns bfloat16 [M, N].
+// 32, groups of a multiple of 16. F.linear in bf16 on AMX tiles (tiles) or AVX512-BF16's dot
+// products (amx_gemm.h), the weight written 32 rows at a time as bf16 panels whose values are the
+// reference's dequantize(bfloat16), bit for bit. Returns bfloat16 [M, N].
 torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                               int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles) {
   const IntxWeight w = check_weight(qdata, scale, zero, bits, group_size, x.size(-1));
