@@ -10,40 +10,12 @@
 // give the same bits; against aten's GEMV only the order of the float32 sums differs.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
-#include <cstring>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "hf_aoq_cpu.h"
 #include "simd.h"
-
-namespace {
-
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-#if defined(__AVX2__)
-// The kLanes bf16 values at p as float32 (simd.h's vfloat).
-inline vfloat bf16_lanes(const uint16_t* p) {
-#if defined(__AVX512F__)
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-#else
-  auto x8 = [](const uint16_t* q) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 16));
-  };
-  return {x8(p), x8(p + 8)};
-#endif
-}
-#endif
-
-}  // namespace
 
 namespace {
 

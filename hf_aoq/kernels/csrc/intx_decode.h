@@ -135,14 +135,6 @@ inline void block_dots(vi16 v, const int16_t* const* xs, vi32* acc, std::integer
   (one(std::integral_constant<int, T>()), ...);
 }
 
-inline vfloat vbroadcast(float f) {
-#if HF_AOQ_INTX_ZMM
-  return _mm512_set1_ps(f);
-#else
-  return {_mm256_set1_ps(f), _mm256_set1_ps(f)};
-#endif
-}
-
 // The low and high nibbles of 16 bytes at p as float32 lanes (IntxDQTensor's group indices:
 // scale index low, centre index high).
 inline void nibbles16(const uint8_t* p, vfloat& lo, vfloat& hi) {

@@ -3,12 +3,21 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+// A bf16 (raw bits) as float32: its top half, exact.
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 #if defined(__AVX2__)
 inline float hsum(__m256 v) {
@@ -33,6 +42,7 @@ inline float vsum(vfloat v) { return hsum(_mm256_add_ps(_mm512_castps512_ps256(v
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vbroadcast(float f) { return _mm512_set1_ps(f); }
 #else
 struct vfloat {
   __m256 lo, hi;
@@ -49,7 +59,22 @@ inline float vsum(vfloat v) { return hsum(_mm256_add_ps(v.lo, v.hi)); }
 inline vfloat vadd(vfloat a, vfloat b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline vfloat vsub(vfloat a, vfloat b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline vfloat vmul(vfloat a, vfloat b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vfloat vbroadcast(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
 #endif
+
+// The kLanes bf16 values (raw bits) at p as float32: each widened exactly, in registers.
+inline vfloat bf16_lanes(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  auto x8 = [](const uint16_t* q) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 16));
+  };
+  return {x8(p), x8(p + 8)};
+#endif
+}
 
 // Software prefetch in the batch-1 GEMVs (`dot_rows`) and the few-row tiles (`dot_tile4`): while a
 // block of NR weight rows is read, each row's stream asks for the same column of the row NR
