@@ -34,6 +34,7 @@ from torch import nn
 from .configs import AOQBaseConfig, FqnToConfig
 from .core.errors import AOQError
 from .core.tensor import AOQTensor
+from .decode_attention import route_decode_attention
 from .dense_linear import route_dense_linears
 from .tensors.experts import TransposedExperts
 
@@ -247,12 +248,15 @@ def quantize_(
 def carry_out(model: nn.Module, decisions: Mapping[str, Decision]) -> nn.Module:
     """Quantize each tensor of `decisions` (from `plan`) with its config, in place; the nn.Linear
     modules left with bf16 weights (the lm_head, skipped layers) then run hf_aoq's GEMV at few rows
-    on CPU (dense_linear.route_dense_linears: their class, not their state, changes)."""
+    on CPU (dense_linear.route_dense_linears: their class, not their state, changes), and a
+    transformers model's "sdpa" attention hf_aoq's kernel at one query token on CPU
+    (decode_attention.route_decode_attention: only the config's runtime choice changes)."""
     for name, decision in decisions.items():
         weight = model.get_parameter(name).detach()
         q = decision.config.quantize_weight(transposed_weight(weight) if decision.transposed else weight, name=name)
         set_quantized(model, name, decision, q)
     route_dense_linears(model)
+    route_decode_attention(model)
     return model
 
 

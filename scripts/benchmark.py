@@ -231,15 +231,16 @@ def decode_tps(model, prompt, new_tokens: int) -> float:
 
 
 def kernels_used(fn) -> list[str]:
-    """The hf_aoq kernel-table rows `fn()` ran, as "op Type: kernel (calls)", and the calls of hf_aoq's
-    GEMV for the linears left in bf16 (DenseLinear, as "linear bf16: dense_linear")."""
+    """The hf_aoq kernel-table rows `fn()` ran, as "op Type: kernel (calls)", the calls of hf_aoq's
+    GEMV for the linears left in bf16 (DenseLinear, as "linear bf16: dense_linear") and of its
+    decode-step attention (hf_aoq/decode_attention.py, as "attention: decode_attention")."""
     try:
         from hf_aoq import kernels
-        from hf_aoq.kernels import cpu_dense
+        from hf_aoq.kernels import cpu_attention, cpu_dense
     except ImportError:
         return []
     seen: dict[str, int] = {}
-    select, dense = kernels.select_kernel, cpu_dense.dense_linear
+    select, dense, attention = kernels.select_kernel, cpu_dense.dense_linear, cpu_attention.decode_attention
 
     def counting(op, x, w):
         k = select(op, x, w)
@@ -251,11 +252,17 @@ def kernels_used(fn) -> list[str]:
         seen["linear bf16: dense_linear"] = seen.get("linear bf16: dense_linear", 0) + 1
         return dense(x, w, bias)
 
+    def counting_attention(*args):
+        seen["attention: decode_attention"] = seen.get("attention: decode_attention", 0) + 1
+        return attention(*args)
+
     kernels.select_kernel, cpu_dense.dense_linear = counting, counting_dense
+    cpu_attention.decode_attention = counting_attention
     try:
         fn()
     finally:
         kernels.select_kernel, cpu_dense.dense_linear = select, dense
+        cpu_attention.decode_attention = attention
     return [f"{k} ({n})" for k, n in sorted(seen.items())]
 
 

@@ -55,9 +55,11 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert results["int4-head"]["model_bytes"] < results["int4"]["model_bytes"]  # lm_head quantized too
     assert any(k.startswith("linear Int8Tensor: ") for k in results["int8-head"]["kernels_decode"])
     # The lm_head left in bf16 runs hf_aoq's GEMV at the decode step (hf_aoq/dense_linear.py), once a
-    # token; quantized with the rest (int4-head), it does not.
+    # token; quantized with the rest (int4-head), it does not. Each layer's attention runs hf_aoq's
+    # decode-step kernel (hf_aoq/decode_attention.py); the bf16 model's, transformers' own.
     if cpu_ext.available() and cpu_ext.chosen_isa() in ("avx2", "avx512"):
         assert "linear bf16: dense_linear (1)" in results["int4"]["kernels_decode"]
+        assert "attention: decode_attention (1)" in results["int4-head"]["kernels_decode"]
     assert not any(k.startswith("linear bf16: ") for k in results["int4-head"]["kernels_decode"])
     assert results["int4"]["save_bytes"] < results["bf16"]["save_bytes"]
     assert results["bf16"]["vs_bf16"]["model_bytes"] == 1.0
@@ -118,8 +120,8 @@ def test_benchmark_named_schemes_intx_and_calibrated_fp8_static(tmp_path):
         r = results[name]
         assert "error" not in r and "reload_error" not in r and r["decode_tps"] > 0, (name, r)
         assert r["reload_model_bytes"] == r["model_bytes"] < results["bf16"]["model_bytes"]
-    def quantized(names):  # the lm_head, left in bf16, may run hf_aoq's dense GEMV ("linear bf16: ...")
-        return [k for k in names if not k.startswith("linear bf16: ")]
+    def quantized(names):  # the lm_head, left in bf16, may run hf_aoq's dense GEMV ("linear bf16: ..."), and the
+        return [k for k in names if not k.startswith(("linear bf16: ", "attention: "))]  # attention its kernel
 
     assert all(k.startswith("linear IntxTensor: ") for k in quantized(results["int3"]["kernels_decode"]))
     assert all(k.startswith("linear Float8Tensor: ") for k in quantized(results["fp8-static"]["kernels_decode"]))
@@ -148,8 +150,10 @@ def test_benchmark_compiled_rows(tmp_path):
         assert r["compiled_vs_eager"]["decode_tps_b4"] == r["compiled_decode_tps_b4"] / r["compiled_eager_decode_tps_b4"]
     assert results["bf16"]["kernels_decode_compiled"] == []
     if any("_ext" in k for k in results["int4"]["kernels_decode"]):  # hf_aoq's C++ rows: opaque ops in the graph
-        # and the bf16 lm_head's GEMV (hf_aoq/dense_linear.py), where it ran eagerly
-        dense = ["hf_aoq::dense_linear_io_cpu (1)"] if "linear bf16: dense_linear (1)" in results["int4"]["kernels_decode"] \
-            else []
-        assert results["int4"]["kernels_decode_compiled"] == dense + ["hf_aoq::int4_linear_io_cpu (7)"]
+        # and the bf16 lm_head's GEMV (hf_aoq/dense_linear.py) and the decode-step attention
+        # (hf_aoq/decode_attention.py), where they ran eagerly
+        eager = results["int4"]["kernels_decode"]
+        attention = ["hf_aoq::decode_attention_cpu (1)"] if "attention: decode_attention (1)" in eager else []
+        dense = ["hf_aoq::dense_linear_io_cpu (1)"] if "linear bf16: dense_linear (1)" in eager else []
+        assert results["int4"]["kernels_decode_compiled"] == attention + dense + ["hf_aoq::int4_linear_io_cpu (7)"]
     assert "Compiled decode" in result.stdout and "b4 compiled tok/s" in result.stdout

@@ -186,7 +186,7 @@ OUTPUTS = """
 import json, sys, torch, torch.nn.functional as F
 from safetensors.torch import save_file
 from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
-from hf_aoq.kernels import cpu_amx, cpu_dense, cpu_ext, select_kernel
+from hf_aoq.kernels import cpu_amx, cpu_attention, cpu_dense, cpu_ext, select_kernel
 # The panel GEMM's AVX512-BF16 rows exist in the AVX-512 build only (tests/kernels/test_cpu_amx.py
 # compares them with the reference): held off, so that both builds run the same rows.
 for fmt in cpu_amx.MIN_ROWS_AVX512_BF16:
@@ -222,6 +222,14 @@ for rows in (1, 2, 3, 4, 5, 8, 12):  # below the bf16-GEMM rows (which the refer
 wd = (torch.randn(102, 200) * 0.05).bfloat16()
 for rows in (1, 2, 3, 4):
     out[f"dense 102x200 {rows}"] = cpu_dense.dense_linear(torch.randn(rows, 200, dtype=torch.bfloat16), wd, None)
+# The decode-step attention (csrc/attention.cpp): grouped heads, 37 positions (a tail of the
+# softmax's 16 lanes), head sizes 64 and 80 (a column tail), a bool and a float mask.
+for dtype in (torch.bfloat16, torch.float32):
+    for d in (64, 80):
+        q, k, v = torch.randn(2, 8, 1, d).to(dtype), torch.randn(2, 2, 37, d).to(dtype), torch.randn(2, 2, 37, d).to(dtype)
+        masks = {"none": None, "bool": torch.rand(2, 1, 1, 37) < 0.8, "float": torch.randn(2, 1, 1, 37)}
+        for name, mask in masks.items():
+            out[f"attention {str(dtype)[6:]} d{d} {name}"] = cpu_attention.decode_attention(q, k, v, mask, d ** -0.5)
 save_file(out, sys.argv[1])
 ext = cpu_ext.load()
 print("RESULT " + json.dumps({"isa": cpu_ext.chosen_isa(), "file": ext.__file__ if ext else None, "kernels": kernels}))

@@ -20,6 +20,7 @@ from ...core import memory
 from ...core.errors import AOQError, FormatError
 from ...core.registry import DTYPES, tensor_type
 from ...core.tensor import AOQTensor
+from ...decode_attention import route_decode_attention
 from ...dense_linear import route_dense_linears
 from ...tensors.experts import TransposedExperts
 from ...quantize import Decision, placed_for_kernels, plan, tie_groups, transposed_weight
@@ -331,6 +332,7 @@ class AOQHfQuantizer(HfQuantizer):
             self._quantize_with_calibration(model)
         self._release_memory(force=True)
         route_dense_linears(model)  # the linears left in bf16 on hf_aoq's GEMV at few CPU rows
+        route_decode_attention(model)  # "sdpa" attention on hf_aoq's kernel at one query token on CPU
         model_card.attach(model)  # this model's save_pretrained and push_to_hub write its card
         return model
 

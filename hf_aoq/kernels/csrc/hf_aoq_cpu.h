@@ -40,6 +40,10 @@ bool amx_available();
 // F.linear with it in one call (x of any float dtype, the bias added in float32, x's dtype back).
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor dense_linear_io(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+// attention.cpp: softmax(q k^T scale + mask) v for one query token per head (q [B, H, 1, D]) over
+// k [B, Hk, L, D], v [B, Hk, L, Dv] (grouped-query heads read their KV head), as [B, 1, H, Dv].
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                               double scale);
 // bandwidth.cpp: the XOR of a uint8 buffer's 8-byte words, read once over aten's threads (the
 // benchmark's read-bandwidth probe).
 int64_t read_xor(torch::Tensor buf);
