@@ -3,12 +3,9 @@ KV cache and the model's forward under torch.compile, as `hf-aoq generate --comp
 through transformers' generate (hf_aoq.workflows.generation.compile_config)."""
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from typing import Callable
-
-from hf_aoq.workflows import generation
 
 COMPILE_KWARGS = dict(fullgraph=True, dynamic=False)  # as hf_aoq.workflows.generation.compile_config
 
@@ -17,8 +14,7 @@ class CompiledDecoder:
     """Greedy decode with a static KV cache and the model's forward under torch.compile (what
     `hf-aoq generate --compile` runs through transformers' generate): the prompt's prefill runs
     eagerly, every one-token step runs the compiled graph (one graph per batch size, fullgraph:
-    hf_aoq's kernels are opaque custom ops in it). After each run's first step, the steps skip
-    torch.compile's guards, as `hf-aoq generate --compile` does (generation.skip_guards_after_warm_up)."""
+    hf_aoq's kernels are opaque custom ops in it)."""
 
     def __init__(self, model, max_cache_len: int):
         import torch
@@ -36,13 +32,11 @@ class CompiledDecoder:
         if n + new_tokens > self.max_cache_len:
             raise ValueError(f"compiled decode: {n} + {new_tokens} tokens exceed the cache ({self.max_cache_len})")
         cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
-        with torch.inference_mode(), contextlib.ExitStack() as later_steps:
+        with torch.inference_mode():
             out = self.model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
             tok = out.logits[:, -1:].argmax(-1)
             first = start = 0.0
             for i in range(new_tokens):
-                if i == 1:  # the first step checked the guards (and compiled): the rest skip them
-                    later_steps.enter_context(generation.skip_guards_after_warm_up())
                 if i == timed_from:
                     start = time.perf_counter()
                 t0 = time.perf_counter()

@@ -2,7 +2,6 @@
 quantizes SmolLM2-135M and compares it with bf16 (`hf-aoq demo`)."""
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import time
@@ -95,26 +94,11 @@ def compiled_generation_kwargs(max_cache_len: int) -> dict:
     return {"cache_implementation": "static", "compile_config": compile_config(), "max_cache_len": max_cache_len}
 
 
-def skip_guards_after_warm_up():
-    """A context in which compiled graphs run without torch.compile's guards (torch.compiler's
-    stance `skip_guard_eval_unsafe`): for decode steps after a warm-up step of the same shapes has
-    checked them. The guards of a quantized model's graph look at every weight's fields on every
-    call (about 2 ms of a 22-layer decode step on a 2-core AMD EPYC Zen 4, a tenth of it); the
-    steps after the first of a static-cache decode change only tensor values, never a shape, a
-    dtype or a weight, so none of those checks can fail there. Unsafe (torch's word) for anything
-    else: a call with new shapes inside it would run a graph compiled for others."""
-    import torch
-
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-
-
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, sampling: Sampling | None = None,
              chat: bool | None = None, exact_length: bool = False, compiled: bool = False) -> Generated:
     """Generate after a warm-up, timing only the generation. With `compiled`, a static KV cache and
     the decode step under torch.compile: the warm-up decodes two tokens, so that it compiles the
-    step (timed apart, `compile_seconds`) and checks its guards, and the timed generation reuses
-    the graph without checking them again (skip_guards_after_warm_up: the same cache length, so
-    the same shapes)."""
+    step (timed apart, `compile_seconds`) and the timed generation reuses the graph."""
     import torch
 
     sampling = sampling or Sampling()
@@ -134,11 +118,9 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, sampling: Sa
             compile_seconds = time.perf_counter() - start
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
-        with skip_guards_after_warm_up() if compiled else contextlib.nullcontext():
-            start = time.perf_counter()
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling.kwargs(),
-                                 **extra)
-            seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling.kwargs(), **extra)
+        seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1]:]
     return Generated(tokenizer.decode(new, skip_special_tokens=True), new.numel(), seconds, used_chat, compile_seconds)
 
