@@ -2,7 +2,7 @@
 
 `ATTENTION` ("hf_aoq_sdpa") is registered with transformers' AttentionInterface (and the sdpa mask
 with AttentionMaskInterface): it is transformers' "sdpa" attention, except that one query token on
-CPU (a decode step, batch any) runs kernels/cpu_attention.py's kernel, about a tenth of aten's
+CPU (a decode step, any batch) runs kernels/cpu_attention.py's kernel, about a tenth of aten's
 time there. `route_decode_attention` switches a model whose attention is "sdpa" to it; the
 quantizer and `quantize_` call it, as they give the bf16 linears hf_aoq's GEMV (dense_linear.py).
 
@@ -11,8 +11,18 @@ transformers never saves): the weights, the saved files and a reloaded model's c
 before. A model set to "eager", "flex_attention" or a flash attention keeps it; calls the kernel
 does not take (prefill, GPU, dropout while training, a gradient wanted, position biases, other
 dtypes) run transformers' sdpa attention unchanged.
+
+Not switched: a model with a parameter off the CPU, and a model whose modeling code compares
+`_attn_implementation` with "sdpa" by name (a few do, to pick a mask format or a shortcut: under
+another name they would take their eager branch). transformers' continuous batching accepts
+"sdpa" by name only: `model.set_attn_implementation("sdpa")` before it.
 """
 from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
 
 import torch
 from transformers import AttentionInterface
@@ -49,12 +59,33 @@ def _configs(config):
             yield from _configs(sub)
 
 
+_SDPA_BY_NAME = re.compile(r'_attn_implementation\b[^\n]*"sdpa"')
+
+
+@functools.lru_cache(maxsize=None)
+def _names_sdpa(module_name: str) -> bool:
+    """Whether the transformers modeling module `module_name` compares `_attn_implementation` with
+    "sdpa" (or sets it) in its source."""
+    module = sys.modules.get(module_name)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return True  # no source to read: assume it might
+    return bool(_SDPA_BY_NAME.search(source))
+
+
 def route_decode_attention(model: torch.nn.Module) -> list[str]:
     """Switch every config of `model` (its sub-configs included) whose attention is transformers'
     "sdpa" to ATTENTION; returns the configs' class names it changed (none the second time, none for
-    a module without a transformers config)."""
+    a module without a transformers config, a model with parameters off the CPU, or a model whose
+    modeling code names "sdpa")."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation_internal"):
+        return []
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return []
+    modeling = {type(m).__module__ for m in model.modules()}
+    if any(_names_sdpa(name) for name in modeling if name.startswith("transformers.models.")):
         return []
     changed = []
     for c in _configs(config):

@@ -281,6 +281,19 @@ def test_route_keeps_other_attention_choices_and_plain_modules():
     assert torch.equal(ours, want)
 
 
+def test_route_leaves_models_that_name_sdpa_and_models_off_the_cpu():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    # Falcon's modeling code sets `_attn_implementation = "sdpa"` by name: not switched.
+    falcon = FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                            vocab_size=100, new_decoder_architecture=True, num_kv_heads=2))
+    assert falcon.config._attn_implementation == "sdpa"
+    assert route_decode_attention(falcon) == [] and falcon.config._attn_implementation == "sdpa"
+    with torch.device("meta"):
+        meta = _tiny_llama()
+    assert route_decode_attention(meta) == [] and meta.config._attn_implementation == "sdpa"
+
+
 def test_quantize_routes_a_transformers_models_attention():
     from hf_aoq import Int8WeightOnlyConfig, quantize_
 
