@@ -38,7 +38,7 @@ def opaque_calls(fn) -> collections.Counter:
     call = registry.OpaqueOp.__call__
 
     def counting(self, *args):
-        seen[self.op._qualname] += 1
+        seen[self.qualname] += 1
         return call(self, *args)
 
     registry.OpaqueOp.__call__ = counting

@@ -1,5 +1,6 @@
 """hf_aoq's opaque ops under torch.compile with autograd enabled: the output is non-differentiable,
 as the eager call's is (C++ fills it), instead of the compile failing for want of a backward."""
+import pytest
 import torch
 
 from hf_aoq import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
@@ -21,3 +22,34 @@ def test_compile_with_grad_enabled_runs_like_eager():
     assert torch.allclose(y, lin(x), rtol=1e-4, atol=1e-4)
     if cpu_ext.available():  # hf_aoq's C++ rows: no gradient reaches x, eager or compiled
         assert not lin(x).requires_grad and not y.requires_grad
+
+
+def test_every_opaque_op_is_a_pt2_compliant_library_op_with_a_fake():
+    from hf_aoq.kernels import registry
+
+    ops = registry.opaque_ops()
+    assert "hf_aoq::int4_linear_io_cpu" in ops and "hf_aoq::decode_attention_cpu" in ops
+    for name, op in ops.items():
+        assert op.qualname == name and op.op is getattr(torch.ops.hf_aoq, name.split("::")[1]).default
+        assert torch.Tag.pt2_compliant_tag in op.op.tags, name
+        assert torch._library.simple_registry.singleton.find(name).fake_impl.kernel is not None, name
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's C++ extension is not built here")
+def test_opcheck_the_cpu_ops_schema_fake_and_autograd_registration():
+    """torch.library.opcheck: the schema (no input mutated, the output aliases no input), the fake
+    against the real output, the autograd registration and AOT dispatch, on a small int4 linear
+    and a decode-attention call; inputs that require grad give outputs that do not."""
+    from hf_aoq.kernels import cpu, cpu_attention
+
+    w = quantize_(torch.nn.Linear(64, 48), Int4WeightOnlyConfig(32)).weight
+    assert w.packing == "cpu_int4_pairs"
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    args = (x, w.qdata, w.scale, 32, 64, None)
+    torch.library.opcheck(cpu.int4_linear_io.op, args)
+    q = torch.randn(1, 8, 1, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    torch.library.opcheck(cpu_attention.decode_attention.op, (q, k, v, None, 0.25))
+    out = cpu_attention.decode_attention.op(q, k, v, None, 0.25)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, cpu_attention.decode_attention.eager(q.detach(), k, v, None, 0.25), rtol=0, atol=0)
