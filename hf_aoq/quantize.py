@@ -250,7 +250,9 @@ def carry_out(model: nn.Module, decisions: Mapping[str, Decision]) -> nn.Module:
     modules left with bf16 weights (the lm_head, skipped layers) then run hf_aoq's GEMV at few rows
     on CPU (dense_linear.route_dense_linears: their class, not their state, changes), and a
     transformers model's "sdpa" attention hf_aoq's kernel at one query token on CPU
-    (decode_attention.route_decode_attention: only the config's runtime choice changes)."""
+    (decode_attention.route_decode_attention: only the config's runtime choice changes). A compiled
+    call the model holds is dropped: workflows.generation.compiled_step's would run the old model."""
+    model.__dict__.pop("_compiled_call", None)
     for name, decision in decisions.items():
         weight = model.get_parameter(name).detach()
         q = decision.config.quantize_weight(transposed_weight(weight) if decision.transposed else weight, name=name)

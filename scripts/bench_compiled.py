@@ -1,26 +1,24 @@
 """The compiled decode step as scripts/benchmark.py and scripts/profile_decode.py time it: a static
-KV cache and the model's forward under torch.compile, as `hf-aoq generate --compile` runs it
-through transformers' generate (hf_aoq.workflows.generation.compile_config)."""
+KV cache and the model's call under torch.compile (hf_aoq.workflows.generation.compiled_step), as
+`hf-aoq generate --compile` runs it through transformers' generate."""
 from __future__ import annotations
 
 import statistics
 import time
 from typing import Callable
 
-COMPILE_KWARGS = dict(fullgraph=True, dynamic=False)  # as hf_aoq.workflows.generation.compile_config
-
 
 class CompiledDecoder:
-    """Greedy decode with a static KV cache and the model's forward under torch.compile (what
-    `hf-aoq generate --compile` runs through transformers' generate): the prompt's prefill runs
-    eagerly, every one-token step runs the compiled graph (one graph per batch size, fullgraph:
-    hf_aoq's kernels are opaque custom ops in it)."""
+    """Greedy decode with a static KV cache and the model's call under torch.compile, as
+    `hf_aoq.workflows.generation.compiled_step` makes it for `hf-aoq generate --compile` (through
+    transformers' generate): the prompt's prefill runs eagerly, every one-token step runs the
+    compiled graph (one graph per batch size, fullgraph: hf_aoq's kernels are opaque ops in it)."""
 
     def __init__(self, model, max_cache_len: int):
-        import torch
+        from hf_aoq.workflows.generation import compiled_step
 
         self.model, self.max_cache_len = model, max_cache_len
-        self.step = torch.compile(model.forward, **COMPILE_KWARGS)
+        self.step = compiled_step(model)
 
     def run(self, prompt, new_tokens: int, timed_from: int = 0) -> tuple[float, float]:
         """Decode `new_tokens` after `prompt`; (seconds of the first step, seconds of the steps

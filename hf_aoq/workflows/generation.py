@@ -88,10 +88,50 @@ def compile_config():
     return config
 
 
-def compiled_generation_kwargs(max_cache_len: int) -> dict:
+def compiled_step(model, config=None):
+    """`model`'s call under torch.compile, for this model alone, with no guards on its modules;
+    with `config` (a CompileConfig), also given to transformers' generate as the model's compiled
+    call (it reuses a compiled call made for an equal config).
+
+    Before each call of a compiled graph dynamo checks its guards; for a 22-layer model about 6,000,
+    almost all on the modules (hooks dicts, attribute types and values, every weight's tensors),
+    which take 2 ms of a 24 ms int4 token on an AMD EPYC Zen 4 (docs/performance.md): once the
+    weights have streamed through, the guards' objects are no longer in any cache. This step
+    leaves out every guard on the model's modules (torch's skip_guard_on_all_nn_modules_unsafe)
+    and keeps those on its inputs (the tokens, positions and the KV cache). What the left-out
+    guards would have caught:
+
+    - another model calling the same graph: dynamo keeps compiled graphs per code object, and the
+      module guards are what tell two models of one class apart. Here the compiled function is
+      made for `model`, with a code object of its own, so no other model reaches its graph.
+    - `model` changed after its first compiled call (modules or weights replaced, hooks added,
+      attributes set): the graph would go on running the model as it was. `hf-aoq generate` and
+      the benchmark never change a model while they generate; `quantize_` (hf_aoq's `carry_out`)
+      drops the compiled call it finds on a model.
+
+    Where torch takes no guard filter (before 2.8), every guard stays."""
+    import torch
+
+    def call(*args, **kwargs):
+        return model(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace(co_name=f"hf_aoq_compiled_step_{id(model):x}")  # its own graph cache
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    step = torch.compile(call, fullgraph=True, dynamic=False, options={"guard_filter_fn": skip} if skip else None)
+    if config is not None:
+        model._compiled_call, model._last_compile_config = step, config  # transformers' generate reads these
+    return step
+
+
+def compiled_generation_kwargs(max_cache_len: int, model=None) -> dict:
     """generate()'s arguments for a static KV cache of `max_cache_len` tokens and the decode step
-    compiled; the same length on every call keeps the cache's shape, so the graph is reused."""
-    return {"cache_implementation": "static", "compile_config": compile_config(), "max_cache_len": max_cache_len}
+    compiled; the same length on every call keeps the cache's shape, so the graph is reused. With
+    `model`, its compiled step is `compiled_step(model)` (no guards on its modules) rather than
+    transformers' torch.compile of its `__call__`."""
+    config = compile_config()
+    if model is not None:
+        compiled_step(model, config)
+    return {"cache_implementation": "static", "compile_config": config, "max_cache_len": max_cache_len}
 
 
 def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, sampling: Sampling | None = None,
@@ -109,7 +149,7 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int, *, sampling: Sa
     warm = {"max_new_tokens": 1}
     compile_seconds = None
     if compiled:
-        extra.update(compiled_generation_kwargs(inputs["input_ids"].shape[1] + max(max_new_tokens, 2)))
+        extra.update(compiled_generation_kwargs(inputs["input_ids"].shape[1] + max(max_new_tokens, 2), model))
         warm = {**extra, "max_new_tokens": 2, "min_new_tokens": 2}
     with torch.inference_mode():
         start = time.perf_counter()

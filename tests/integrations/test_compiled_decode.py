@@ -63,11 +63,13 @@ def test_compiled_decode_is_one_graph_of_the_eager_kernels_with_eager_tokens(con
 
     torch._dynamo.reset()
     counters.clear()
-    kwargs = compiled_generation_kwargs(PROMPT.shape[1] + NEW)
+    kwargs = compiled_generation_kwargs(PROMPT.shape[1] + NEW, model)  # as `hf-aoq generate --compile`
+    ours = model._compiled_call
     with torch.inference_mode():
         first = model.generate(PROMPT, **greedy, **kwargs)  # compiles (tracing calls the ops' fakes)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             compiled = model.generate(PROMPT, **greedy, **kwargs)
+    assert model._compiled_call is ours  # transformers' generate took hf_aoq's compiled step
     # Every step of both calls ran one graph: no graph break, no recompilation.
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -79,6 +81,47 @@ def test_compiled_decode_is_one_graph_of_the_eager_kernels_with_eager_tokens(con
     assert torch.equal(compiled.sequences, eager.sequences)
     for a, b in zip(eager.logits, compiled.logits):
         assert sqnr(a, b) > 25
+
+
+def _greedy_steps(step, model, n):
+    """`n` greedy tokens after PROMPT: eager prefill into a static cache, then `step` per token."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT.shape[1] + n)
+    with torch.inference_mode():
+        tok = model(input_ids=PROMPT, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        out = [tok]
+        for i in range(n - 1):
+            pos = torch.full((1, 1), PROMPT.shape[1] + i, dtype=torch.long)
+            tok = step(input_ids=tok, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1:].argmax(-1)
+            out.append(tok)
+    return torch.cat(out, 1)
+
+
+def test_compiled_steps_of_two_models_of_one_class_never_share_a_graph():
+    """compiled_step keeps no guards on the model's modules, which are what would tell two models
+    of one class apart: each model's step has a code object, so a graph, of its own. Interleaved,
+    each gives its eager tokens; `quantize_` drops a compiled call the model holds."""
+    from hf_aoq.workflows.generation import compiled_step
+
+    a = quantize_(tiny_llama().eval(), Int4WeightOnlyConfig(32))
+    b = quantize_(tiny_llama(seed=1).eval(), Int8WeightOnlyConfig())
+    eager = {m: _greedy_steps(m, m, NEW) for m in (a, b)}
+    assert not torch.equal(eager[a], eager[b])
+    torch._dynamo.reset()
+    counters.clear()
+    steps = {m: compiled_step(m) for m in (a, b)}
+    assert steps[a] is not steps[b]
+    for _ in range(2):
+        for m in (a, b):
+            assert torch.equal(_greedy_steps(steps[m], m, NEW), eager[m])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+    compiled_step(a, config=object())  # as compiled_generation_kwargs leaves it for generate
+    assert a._compiled_call is not None
+    quantize_(a, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name.endswith("lm_head"))
+    assert "_compiled_call" not in a.__dict__
 
 
 def test_compiled_generate_workflow_and_command_line(tiny_llama_dir, tmp_path, capsys):
