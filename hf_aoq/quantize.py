@@ -245,14 +245,18 @@ def quantize_(
     return carry_out(model, plan(model, config, filter_fn=filter_fn))
 
 
+COMPILED_STEP = "_hf_aoq_compiled_step"  # where workflows.generation.compiled_step keeps a model's step
+
+
 def carry_out(model: nn.Module, decisions: Mapping[str, Decision]) -> nn.Module:
     """Quantize each tensor of `decisions` (from `plan`) with its config, in place; the nn.Linear
     modules left with bf16 weights (the lm_head, skipped layers) then run hf_aoq's GEMV at few rows
     on CPU (dense_linear.route_dense_linears: their class, not their state, changes), and a
     transformers model's "sdpa" attention hf_aoq's kernel at one query token on CPU
     (decode_attention.route_decode_attention: only the config's runtime choice changes). A compiled
-    call the model holds is dropped: workflows.generation.compiled_step's would run the old model."""
-    model.__dict__.pop("_compiled_call", None)
+    step the model holds is dropped: workflows.generation.compiled_step's would run the old model."""
+    for attribute in ("_compiled_call", COMPILED_STEP):  # transformers' and compiled_step's
+        model.__dict__.pop(attribute, None)
     for name, decision in decisions.items():
         weight = model.get_parameter(name).detach()
         q = decision.config.quantize_weight(transposed_weight(weight) if decision.transposed else weight, name=name)

@@ -109,15 +109,22 @@ def compiled_step(model, config=None):
       the benchmark never change a model while they generate; `quantize_` (hf_aoq's `carry_out`)
       drops the compiled call it finds on a model.
 
-    Where torch takes no guard filter (before 2.8), every guard stays."""
+    The step is kept on the model (`_hf_aoq_compiled_step`) and given again on the next call, so
+    that a second generate reuses its graphs instead of compiling anew. Where torch takes no guard
+    filter (before 2.8), every guard stays."""
     import torch
 
-    def call(*args, **kwargs):
-        return model(*args, **kwargs)
+    from ..quantize import COMPILED_STEP
 
-    call.__code__ = call.__code__.replace(co_name=f"hf_aoq_compiled_step_{id(model):x}")  # its own graph cache
-    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-    step = torch.compile(call, fullgraph=True, dynamic=False, options={"guard_filter_fn": skip} if skip else None)
+    owner, step = model.__dict__.get(COMPILED_STEP, (None, None))
+    if owner != id(model):  # none yet, or a copy's (a deepcopy keeps the original's step)
+        def call(*args, **kwargs):
+            return model(*args, **kwargs)
+
+        call.__code__ = call.__code__.replace(co_name=f"hf_aoq_compiled_step_{id(model):x}")  # its own graph cache
+        skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+        step = torch.compile(call, fullgraph=True, dynamic=False, options={"guard_filter_fn": skip} if skip else None)
+        model.__dict__[COMPILED_STEP] = (id(model), step)  # the step keeps the model alive: its id is its own
     if config is not None:
         model._compiled_call, model._last_compile_config = step, config  # transformers' generate reads these
     return step

@@ -70,6 +70,8 @@ def test_compiled_decode_is_one_graph_of_the_eager_kernels_with_eager_tokens(con
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             compiled = model.generate(PROMPT, **greedy, **kwargs)
     assert model._compiled_call is ours  # transformers' generate took hf_aoq's compiled step
+    compiled_generation_kwargs(PROMPT.shape[1] + NEW, model)
+    assert model._compiled_call is ours  # and a second call keeps it (no new compile)
     # Every step of both calls ran one graph: no graph break, no recompilation.
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -111,7 +113,7 @@ def test_compiled_steps_of_two_models_of_one_class_never_share_a_graph():
     torch._dynamo.reset()
     counters.clear()
     steps = {m: compiled_step(m) for m in (a, b)}
-    assert steps[a] is not steps[b]
+    assert steps[a] is not steps[b] and compiled_step(a) is steps[a]  # kept on the model, given again
     for _ in range(2):
         for m in (a, b):
             assert torch.equal(_greedy_steps(steps[m], m, NEW), eager[m])
@@ -121,7 +123,9 @@ def test_compiled_steps_of_two_models_of_one_class_never_share_a_graph():
     compiled_step(a, config=object())  # as compiled_generation_kwargs leaves it for generate
     assert a._compiled_call is not None
     quantize_(a, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name.endswith("lm_head"))
-    assert "_compiled_call" not in a.__dict__
+    assert "_compiled_call" not in a.__dict__ and compiled_step(a) is not steps[a]
+    copy = __import__("copy").deepcopy(b)  # holds b's step in its __dict__: never given to the copy
+    assert compiled_step(copy) is not steps[b] and compiled_step(b) is steps[b]
 
 
 def test_compiled_generate_workflow_and_command_line(tiny_llama_dir, tmp_path, capsys):
