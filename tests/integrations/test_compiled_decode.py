@@ -3,6 +3,7 @@ generate (hf_aoq.workflows.generation.compile_config), with hf_aoq's kernels as 
 One graph for every decode step (fullgraph: a graph break is an error), the kernels eager mode
 runs called from it, and the tokens of eager greedy decoding."""
 import collections
+import copy
 
 import pytest
 import torch
@@ -124,8 +125,8 @@ def test_compiled_steps_of_two_models_of_one_class_never_share_a_graph():
     assert a._compiled_call is not None
     quantize_(a, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name.endswith("lm_head"))
     assert "_compiled_call" not in a.__dict__ and compiled_step(a) is not steps[a]
-    copy = __import__("copy").deepcopy(b)  # holds b's step in its __dict__: never given to the copy
-    assert compiled_step(copy) is not steps[b] and compiled_step(b) is steps[b]
+    clone = copy.deepcopy(b)  # holds b's step in its __dict__: never given to the copy
+    assert compiled_step(clone) is not steps[b] and compiled_step(b) is steps[b]
 
 
 def test_compiled_generate_workflow_and_command_line(tiny_llama_dir, tmp_path, capsys):
