@@ -214,21 +214,6 @@ def int4_linear_io(
     return cpu_ext.load().int4pack_linear_io(x, packed, scale_zero, group_size, k, bias, INT4_GEMV_MAX_ROWS)
 
 
-def _linear_multi_out(x, packed, *rest):
-    """The fake of every `*_linear_io_multi` op: one `_linear_out` per weight."""
-    return [x.new_empty((*x.shape[:-1], p.shape[0])) for p in packed]
-
-
-# Several int4 weights of one input (a layer's q, k and v projections; gate and up) in one call:
-# the input converted once and all their rows in one parallel region; each output the same, bit
-# for bit, as int4_linear_io's. Only compiled graphs call it (graph_passes.fuse_shared_input_linears).
-@opaque_op("int4_linear_io_multi_cpu", _linear_multi_out)
-def int4_linear_io_multi(
-    x: torch.Tensor, packed: list[torch.Tensor], scale_zero: list[torch.Tensor], group_size: int, k: int,
-) -> list[torch.Tensor]:
-    return cpu_ext.load().int4pack_linear_io_multi(x, packed, scale_zero, group_size, k, INT4_GEMV_MAX_ROWS)
-
-
 def _contiguous_float_input(x, w) -> bool:
     return x.dtype in FLOATS and w.qdata.is_contiguous() and w.scale.is_contiguous()
 

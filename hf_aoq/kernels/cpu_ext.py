@@ -26,7 +26,7 @@ SOURCES = ("int4.cpp", "int4dq.cpp", "int4dq_search.cpp", "int8.cpp", "int8_int4
 HEADER = "hf_aoq_cpu.h"  # declares FUNCTIONS
 FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
-    "int4pack_linear_io", "int4pack_linear_io_multi", "int8_linear_io", "int8dyn_linear_io", "fp8_linear_io", "int4_repack_pairs",
+    "int4pack_linear_io", "int8_linear_io", "int8dyn_linear_io", "fp8_linear_io", "int4_repack_pairs",
     "int4dq_linear", "int4dq_linear_io", "int4dq_cpu_rows", "int4dq_row_params", "int4dq_search",
     "int4pack_dequantize", "int4dq_dequantize", "int8_dequantize", "fp8_dequantize",
     "mx_linear_io", "mx_quantize_rows", "mx_fake_quantize", "mx_dequantize", "int8_int4_linear_io", "intx_linear_io",

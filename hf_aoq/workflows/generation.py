@@ -109,15 +109,11 @@ def compiled_step(model, config=None):
       the benchmark never change a model while they generate; `quantize_` (hf_aoq's `carry_out`)
       drops the compiled call it finds on a model.
 
-    Its graphs also go through kernels/graph_passes.py's rewrite: the int4 linears that read one
-    input (q, k and v; gate and up) in one kernel call each, the same numbers with fewer calls.
-
     The step is kept on the model (`_hf_aoq_compiled_step`) and given again on the next call, so
     that a second generate reuses its graphs instead of compiling anew. Where torch takes no guard
     filter (before 2.8), every guard stays."""
     import torch
 
-    from ..kernels import graph_passes
     from ..quantize import COMPILED_STEP
 
     owner, step = model.__dict__.get(COMPILED_STEP, (None, None))
@@ -127,9 +123,7 @@ def compiled_step(model, config=None):
 
         call.__code__ = call.__code__.replace(co_name=f"hf_aoq_compiled_step_{id(model):x}")  # its own graph cache
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-        options = {"guard_filter_fn": skip} if skip else {}
-        options.update(graph_passes.compile_options())  # one kernel call for q, k, v; one for gate, up
-        step = torch.compile(call, fullgraph=True, dynamic=False, options=options)
+        step = torch.compile(call, fullgraph=True, dynamic=False, options={"guard_filter_fn": skip} if skip else None)
         model.__dict__[COMPILED_STEP] = (id(model), step)  # the step keeps the model alive: its id is its own
     if config is not None:
         model._compiled_call, model._last_compile_config = step, config  # transformers' generate reads these

@@ -10,9 +10,6 @@
 // int4.cpp: Int4Tensor on the pairs layout, and the repacking into it.
 torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                               int64_t gemv_max_rows, bool int16_activations);
-std::vector<torch::Tensor> int4pack_linear_multi(torch::Tensor x, std::vector<torch::Tensor> packed,
-                                                 std::vector<torch::Tensor> scale_zero, int64_t group_size,
-                                                 int64_t gemv_max_rows, bool int16_activations);
 torch::Tensor int4_repack_pairs(torch::Tensor canonical, int64_t padded_k);
 torch::Tensor int4pack_dequantize(torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size, int64_t k,
                                   torch::ScalarType dtype);
@@ -128,9 +125,6 @@ torch::Tensor fpx_dequantize(torch::Tensor qdata, torch::Tensor scale, int64_t e
 // linear_io.cpp: F.linear(x, weight, bias) per format in one call.
 torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_zero, int64_t group_size,
                                  int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
-std::vector<torch::Tensor> int4pack_linear_io_multi(torch::Tensor x, std::vector<torch::Tensor> packed,
-                                                    std::vector<torch::Tensor> scale_zero, int64_t group_size, int64_t k,
-                                                    int64_t gemv_max_rows);
 torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                torch::Tensor tparams, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
                                int64_t gemv_max_rows, c10::optional<torch::Tensor> rows);

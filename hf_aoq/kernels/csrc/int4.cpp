@@ -29,47 +29,6 @@ torch::Tensor int4pack_linear(torch::Tensor x, torch::Tensor packed, torch::Tens
   return y;
 }
 
-// int4pack_linear for several weights of one input x and group size (a layer's q, k and v
-// projections; gate and up): one float32 [M, N_i] per weight, each the same, bit for bit, as
-// int4pack_linear gives for it alone. On the int16 path (half-precision activations) x's codes
-// are computed once and all the weights' rows share one parallel region (int4_linear_codes_multi);
-// otherwise, or when the scales' dtypes differ, the weights are multiplied one after another.
-std::vector<torch::Tensor> int4pack_linear_multi(torch::Tensor x, std::vector<torch::Tensor> packed,
-                                                 std::vector<torch::Tensor> scale_zero, int64_t group_size,
-                                                 int64_t gemv_max_rows, bool int16_activations) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(!packed.empty() && packed.size() == scale_zero.size(), "packed and scale_zero: one of each per weight, ",
-              packed.size(), " and ", scale_zero.size(), " given");
-  const int64_t M = x.size(0), K = x.size(1);
-  bool one_dtype = true;
-  for (size_t i = 0; i < packed.size(); ++i) {
-    TORCH_CHECK(packed[i].dtype() == torch::kUInt8 && packed[i].dim() == 2 && packed[i].is_contiguous() &&
-                    packed[i].size(1) * 2 == K,
-                "packed[", i, "]: contiguous uint8 [N, ", K / 2, "], got ", packed[i].sizes());
-    one_dtype = one_dtype && scale_zero[i].scalar_type() == scale_zero[0].scalar_type();
-  }
-  std::vector<torch::Tensor> ys;
-  if (!(int16_activations && group_size <= kMaxInt16Group && one_dtype)) {
-    for (size_t i = 0; i < packed.size(); ++i)
-      ys.push_back(int4pack_linear(x, packed[i], scale_zero[i], group_size, gemv_max_rows, int16_activations));
-    return ys;
-  }
-  for (const auto& p : packed) ys.push_back(torch::empty({M, p.size(0)}, x.options()));
-  with_scale_zero(scale_zero[0], packed[0].size(0), K, group_size, [&](const auto& first) {
-    using P = std::decay_t<decltype(first)>;
-    std::vector<Int4CodesWeight<P>> ws;
-    for (size_t i = 0; i < packed.size(); ++i) {
-      const int64_t N = packed[i].size(0);
-      with_scale_zero(scale_zero[i], N, K, group_size, [&](const auto& params) {
-        if constexpr (std::is_same<std::decay_t<decltype(params)>, P>::value)
-          ws.push_back({packed[i].data_ptr<uint8_t>(), params, ys[i].data_ptr<float>(), N});
-      });
-    }
-    int4_linear_codes_multi(quantize_rows16(x.data_ptr<float>(), M, K, group_size), ws, M, K, group_size);
-  });
-  return ys;
-}
-
 // The weight [N, k] in dtype (bfloat16 or float16) from the pairs layout, bit for bit the
 // reference's dequantize(dtype): for aten's GEMM in that dtype at many rows. packed and
 // scale_zero as for int4pack_linear (K: packed's columns times two, k <= K).

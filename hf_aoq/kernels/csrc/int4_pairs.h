@@ -373,43 +373,30 @@ inline void int4_affine_store16(const P& p, int64_t n0, float XS, const __m256* 
 }
 #endif
 
-// int4_linear_codes' units of work for N weight rows: blocks of 32 rows, two full ones at a time
-// in the AVX-512 build (int4_pairs512.h).
-constexpr int64_t kInt4UnitBlocks = HF_AOQ_INT4_512 ? 2 : 1;
-inline int64_t int4_code_units(int64_t N) {
-  const int64_t NB = (N + BLOCK_N - 1) / BLOCK_N;
-  return (NB + kInt4UnitBlocks - 1) / kInt4UnitBlocks;
-}
-
-// P::kAffine: the activation rows' xs summed over their groups (empty for the other providers).
+// y = x W^T for activations given as int16 codes (xq: from quantize_rows16, or an
+// activation-quantized weight's int8 codes, int8_int4.cpp). Per block of 32 weight rows, group
+// and activation row: an exact int32 sum of code products, then the group's float32 epilogue as
+// the vector code computes it (the scalar code for a 16-row tail block does the same operations).
 template <class P>
-std::vector<float> int4_codes_xsums(const Int16Rows& xq, int64_t M, int64_t G) {
-  std::vector<float> XS(P::kAffine ? M : 0);  // no allocation per call for the other providers
-  for (int64_t m = 0; m < int64_t(XS.size()); ++m) XS[m] = int4_row_xsum(xq, m, G);
-  return XS;
-}
-
-// Units [u0, u1) of y = x W^T for activations given as int16 codes (xq: from quantize_rows16, or
-// an activation-quantized weight's int8 codes, int8_int4.cpp); XS from int4_codes_xsums. Per
-// block of 32 weight rows, group and activation row: an exact int32 sum of code products, then the
-// group's float32 epilogue as the vector code computes it (the scalar code for a 16-row tail block
-// does the same operations).
-template <class P>
-void int4_codes_units(const Int16Rows& xq, const float* XS, const uint8_t* w, const P& params, float* y, int64_t M,
-                      int64_t N, int64_t K, int64_t gs, int64_t u0, int64_t u1) {
+void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N,
+                       int64_t K, int64_t gs) {
   const int64_t G = K / gs;
   const int64_t NB = (N + BLOCK_N - 1) / BLOCK_N;
-  constexpr int64_t step = kInt4UnitBlocks;
-  // P::kAffine: per output three sums (U, AU, BX: `out` holds them [M][3][rows]) instead of one.
+  // Blocks per unit of work: two full ones at a time in the AVX-512 build (int4_pairs512.h).
+  constexpr int64_t step = HF_AOQ_INT4_512 ? 2 : 1;
+  // P::kAffine: the activation rows' xs summed over their groups, and per output three sums
+  // (U, AU, BX: `out` holds them [M][3][rows]) instead of one.
   constexpr int64_t R = P::kAffine ? 3 : 1;
-  {
+  std::vector<float> XS(P::kAffine ? M : 0);  // no allocation per call for the other providers
+  for (int64_t m = 0; m < int64_t(XS.size()); ++m) XS[m] = int4_row_xsum(xq, m, G);
+  at::parallel_for(0, (NB + step - 1) / step, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> out(M * R * BLOCK_N), out64;
     alignas(32) float s[BLOCK_N], z[BLOCK_N];
     for (int64_t b = u0 * step; b < std::min(NB, u1 * step); ++b) {
       const int64_t n0 = b * BLOCK_N, rows = std::min(BLOCK_N, N - n0);
 #if HF_AOQ_INT4_512
       if (b % 2 == 0 && N - n0 >= 2 * BLOCK_N) {
-        int4_step64(xq, w, params, XS, y, M, N, K, gs, n0, out64);
+        int4_step64(xq, w, params, XS.data(), y, M, N, K, gs, n0, out64);
         ++b;
         continue;
       }
@@ -506,43 +493,6 @@ void int4_codes_units(const Int16Rows& xq, const float* XS, const uint8_t* w, co
             y[m * N + n0 + r] = o[r];
         }
       }
-    }
-  }
-}
-
-// y = x W^T for activations given as int16 codes: int4_codes_units over the threads.
-template <class P>
-void int4_linear_codes(const Int16Rows& xq, const uint8_t* w, const P& params, float* y, int64_t M, int64_t N,
-                       int64_t K, int64_t gs) {
-  const std::vector<float> XS = int4_codes_xsums<P>(xq, M, K / gs);
-  at::parallel_for(0, int4_code_units(N), 1, [&](int64_t u0, int64_t u1) {
-    int4_codes_units(xq, XS.data(), w, params, y, M, N, K, gs, u0, u1);
-  });
-}
-
-// One weight of int4_linear_codes_multi: its pairs-layout codes, scale and zero, N rows, and its
-// output y [M, N].
-template <class P>
-struct Int4CodesWeight {
-  const uint8_t* w;
-  P params;
-  float* y;
-  int64_t N;
-};
-
-// int4_linear_codes for several weights of one input (a layer's q, k and v projections): their
-// units in one parallel region, so that the threads share all of them and meet once. Each
-// output is the same, bit for bit, as int4_linear_codes gives for its weight alone.
-template <class P>
-void int4_linear_codes_multi(const Int16Rows& xq, const std::vector<Int4CodesWeight<P>>& ws, int64_t M, int64_t K,
-                             int64_t gs) {
-  const std::vector<float> XS = int4_codes_xsums<P>(xq, M, K / gs);
-  std::vector<int64_t> first(ws.size() + 1, 0);  // first[i]: weight i's first unit in the shared range
-  for (size_t i = 0; i < ws.size(); ++i) first[i + 1] = first[i] + int4_code_units(ws[i].N);
-  at::parallel_for(0, first.back(), 1, [&](int64_t u0, int64_t u1) {
-    for (size_t i = 0; i < ws.size(); ++i) {
-      const int64_t lo = std::max(u0, first[i]), hi = std::min(u1, first[i + 1]);
-      if (lo < hi) int4_codes_units(xq, XS.data(), ws[i].w, ws[i].params, ws[i].y, M, ws[i].N, K, gs, lo - first[i], hi - first[i]);
     }
   });
 }

@@ -45,31 +45,28 @@ void narrow_rows(const float* y, const float* bias, T* out, int64_t M, int64_t n
 // `core` maps that to float32 [M, n], the bias (any float dtype) is added in float32 and the
 // result returns in x's dtype as [..., n]. The numbers are those of x.float(), padding, the
 // kernel, + bias.float(), .to(dtype).
-// x of any float dtype and shape [..., k] as float32 [M, padded_k] (zero columns past k): the
-// numbers of x.float() and padding.
-torch::Tensor widen_input(const torch::Tensor& x, int64_t k, int64_t padded_k) {
+template <class Core>
+torch::Tensor linear_io(const torch::Tensor& x, int64_t k, int64_t padded_k, int64_t n,
+                        const c10::optional<torch::Tensor>& bias, Core core) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x: expected [..., ", k, "], got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
                   x.scalar_type() == torch::kFloat16,
               "x: float32, bfloat16 or float16");
-  const auto xc = x.contiguous();
-  const int64_t M = k ? xc.numel() / k : 0;
-  if (x.scalar_type() == torch::kFloat32 && padded_k == k) return xc.view({M, k});
-  torch::Tensor x2 = torch::empty({M, padded_k}, x.options().dtype(torch::kFloat32));
-  dispatch_float(x.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    widen_rows(xc.template data_ptr<T>(), x2.data_ptr<float>(), M, k, padded_k);
-  });
-  return x2;
-}
-
-// y (float32 [M, n]) + bias (any float dtype, may be absent) in float32, returned in x's dtype
-// as [..., n]: the numbers of + bias.float(), .to(dtype).
-torch::Tensor narrow_output(const torch::Tensor& x, torch::Tensor y, int64_t n, const c10::optional<torch::Tensor>& bias) {
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) TORCH_CHECK(bias->numel() == n, "bias: expected ", n, " values, got ", bias->numel());
-  y = y.contiguous();
-  const int64_t M = y.size(0);
+  const auto xc = x.contiguous();
+  const int64_t M = k ? xc.numel() / k : 0;
+  torch::Tensor x2;
+  if (x.scalar_type() == torch::kFloat32 && padded_k == k) {
+    x2 = xc.view({M, k});
+  } else {
+    x2 = torch::empty({M, padded_k}, x.options().dtype(torch::kFloat32));
+    dispatch_float(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      widen_rows(xc.template data_ptr<T>(), x2.data_ptr<float>(), M, k, padded_k);
+    });
+  }
+  const torch::Tensor y = core(x2).contiguous();
   torch::Tensor b;
   if (has_bias) b = bias->reshape({n}).to(torch::kFloat32).contiguous();
   auto sizes = x.sizes().vec();
@@ -83,16 +80,6 @@ torch::Tensor narrow_output(const torch::Tensor& x, torch::Tensor y, int64_t n, 
   return out.view(sizes);
 }
 
-// x of any float dtype and shape [..., k] becomes float32 [M, padded_k] (zero columns past k),
-// `core` maps that to float32 [M, n], the bias (any float dtype) is added in float32 and the
-// result returns in x's dtype as [..., n]. The numbers are those of x.float(), padding, the
-// kernel, + bias.float(), .to(dtype).
-template <class Core>
-torch::Tensor linear_io(const torch::Tensor& x, int64_t k, int64_t padded_k, int64_t n,
-                        const c10::optional<torch::Tensor>& bias, Core core) {
-  return narrow_output(x, core(widen_input(x, k, padded_k)), n, bias);
-}
-
 }  // namespace
 
 // F.linear(x, int4 weight, bias) in one call; see linear_io and int4pack_linear.
@@ -102,21 +89,6 @@ torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::T
   return linear_io(x, k, padded_k, packed.size(0), bias, [&](const torch::Tensor& x2) {
     return int4pack_linear(x2, packed, scale_zero, group_size, gemv_max_rows, x.scalar_type() != torch::kFloat32);
   });
-}
-
-// int4pack_linear_io for several weights of one input and group size, without bias (a layer's
-// q, k and v projections: kernels/graph_passes.py puts this call in a compiled graph in place of
-// theirs): the input converted once, the weights in one parallel region (int4pack_linear_multi).
-// Each output is the same, bit for bit, as int4pack_linear_io's for its weight alone.
-std::vector<torch::Tensor> int4pack_linear_io_multi(torch::Tensor x, std::vector<torch::Tensor> packed,
-                                                    std::vector<torch::Tensor> scale_zero, int64_t group_size, int64_t k,
-                                                    int64_t gemv_max_rows) {
-  TORCH_CHECK(group_size > 0, "group_size must be positive");
-  const int64_t padded_k = (k + group_size - 1) / group_size * group_size;
-  auto ys = int4pack_linear_multi(widen_input(x, k, padded_k), packed, scale_zero, group_size, gemv_max_rows,
-                                  x.scalar_type() != torch::kFloat32);
-  for (size_t i = 0; i < ys.size(); ++i) ys[i] = narrow_output(x, ys[i], packed[i].size(0), c10::nullopt);
-  return ys;
 }
 
 // F.linear(x, Int4DQ weight, bias) in one call; see linear_io and int4dq_linear; rows: the weight's
