@@ -209,9 +209,9 @@ def _linear_out(x, packed, *rest):
 @opaque_op("int4_linear_io_cpu", _linear_out)
 def int4_linear_io(
     x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int, k: int,
-    bias: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], gemv_max_rows: int,
 ) -> torch.Tensor:
-    return cpu_ext.load().int4pack_linear_io(x, packed, scale_zero, group_size, k, bias, INT4_GEMV_MAX_ROWS)
+    return cpu_ext.load().int4pack_linear_io(x, packed, scale_zero, group_size, k, bias, gemv_max_rows)
 
 
 def _contiguous_float_input(x, w) -> bool:
@@ -226,7 +226,7 @@ def int4_ext_linear(x, w, bias):
     reference, which rounds the weight to the activation dtype. Float8 (and, without the integer
     kernel below, int8/int4) activations are fake-quantized first, as the reference does."""
     x = w.simulate_input_quantization(x)
-    return int4_linear_io(x, w.qdata, w.scale, w.block_size[-1], _in_features(w), bias)
+    return int4_linear_io(x, w.qdata, w.scale, w.block_size[-1], _in_features(w), bias, INT4_GEMV_MAX_ROWS)
 
 
 # Int4Tensor with integer activations (act_dtype int8 or int4): the codes and per-token scales of
@@ -334,14 +334,15 @@ INT8_GEMV_MAX_ROWS = _TILED_GEMV_MAX_ROWS
 
 
 @opaque_op("int8_linear_io_cpu", _linear_out)
-def int8_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().int8_linear_io(x, qdata, scale, bias, INT8_GEMV_MAX_ROWS)
+def int8_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+                   gemv_max_rows: int) -> torch.Tensor:
+    return cpu_ext.load().int8_linear_io(x, qdata, scale, bias, gemv_max_rows)
 
 
 @opaque_op("int8dyn_linear_io_cpu", _linear_out)
 def int8dyn_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().int8dyn_linear_io(x, qdata, scale, bias, INT8_GEMV_MAX_ROWS)
+                      bias: Optional[torch.Tensor], gemv_max_rows: int) -> torch.Tensor:
+    return cpu_ext.load().int8dyn_linear_io(x, qdata, scale, bias, gemv_max_rows)
 
 
 # hf_aoq's kernel reads codes at any alignment: canonical weights (and so the aligned packing).
@@ -354,8 +355,8 @@ def int8_ext_linear(x, w, bias):
     codes (csrc/int8.cpp's int8_code_gemv: within half a code step of each group's largest |x|
     / 32767, more precise than the reference, which rounds the weight to x's dtype)."""
     if w.act_quant == "per_token":
-        return int8dyn_linear_io(x, w.qdata, w.scale, bias)
-    return int8_linear_io(x, w.qdata, w.scale, bias)
+        return int8dyn_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)
+    return int8_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)
 
 
 # ---------------------------------------------------------------------- float8
@@ -366,9 +367,10 @@ FP8_GEMV_MAX_ROWS = _TILED_GEMV_MAX_ROWS  # above this, one upcast of the weight
 
 @opaque_op("fp8_linear_io_cpu", _linear_out)
 def fp8_linear_io(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shift: int, bias: Optional[torch.Tensor]
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, shift: int, bias: Optional[torch.Tensor],
+    gemv_max_rows: int,
 ) -> torch.Tensor:
-    return cpu_ext.load().fp8_linear_io(x, codes, scale, shift, bias, FP8_GEMV_MAX_ROWS)
+    return cpu_ext.load().fp8_linear_io(x, codes, scale, shift, bias, gemv_max_rows)
 
 
 def _float8_cpu_applies(x, w) -> bool:
@@ -385,7 +387,8 @@ def float8_cpu_linear(x, w, bias):
     Few rows: hf_aoq's fused kernel reads the float8 weight directly. Many rows: chunks of the
     weight dequantized exactly as the reference does (about 3x faster than torch's own float8
     upcast) and float32 GEMM, several times faster than bf16 GEMM on AVX2 CPUs."""
-    return fp8_linear_io(w.simulate_input_quantization(x), w.qdata, w.scale, _FP8_SHIFT[w.qdata.dtype], bias)
+    return fp8_linear_io(w.simulate_input_quantization(x), w.qdata, w.scale, _FP8_SHIFT[w.qdata.dtype], bias,
+                         FP8_GEMV_MAX_ROWS)
 
 
 # ---------------------------------------------------------------------- Int4DQTensor
@@ -439,9 +442,9 @@ register_packing(
 @opaque_op("int4dq_linear_io_cpu", _linear_out)
 def int4dq_linear_io(
     x: torch.Tensor, packed: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
-    group_size: int, k: int, bias: Optional[torch.Tensor], rows: Optional[torch.Tensor] = None,
+    group_size: int, k: int, bias: Optional[torch.Tensor], gemv_max_rows: int, rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return cpu_ext.load().int4dq_linear_io(x, packed, gparams, rparams, tparams, group_size, k, bias, INT4_GEMV_MAX_ROWS,
+    return cpu_ext.load().int4dq_linear_io(x, packed, gparams, rparams, tparams, group_size, k, bias, gemv_max_rows,
                                            rows)
 
 
@@ -458,7 +461,8 @@ def int4dq_ext_linear(x, w, bias):
     """As the int4 kernel: float32 compute for float32 activations, int16 activation codes for
     half-precision ones."""
     rows = None if torch.compiler.is_compiling() else _int4dq_rows(w)  # traced: decoded inside the op, per call
-    return int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1], _in_features(w), bias, rows)
+    return int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1], _in_features(w), bias,
+                            INT4_GEMV_MAX_ROWS, rows)
 
 
 # Many rows with half-precision activations on CPUs with a fast bf16 GEMM (AMX, AVX512-BF16).

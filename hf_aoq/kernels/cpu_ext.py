@@ -22,7 +22,7 @@ from . import build_cache, cpu_isa
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("int4.cpp", "int4dq.cpp", "int4dq_search.cpp", "int8.cpp", "int8_int4.cpp", "fp8.cpp", "linear_io.cpp",
            "mx.cpp", "mx_quant.cpp", "intx.cpp", "nvfp4.cpp", "fpx.cpp", "fp8_sparse.cpp", "nvfp4_quant.cpp", "amx.cpp", "bandwidth.cpp",
-           "dense.cpp", "attention.cpp")
+           "dense.cpp", "attention.cpp", "dispatch.cpp")
 HEADER = "hf_aoq_cpu.h"  # declares FUNCTIONS
 FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
@@ -35,7 +35,7 @@ FUNCTIONS = [
     "nvfp4_quantize_rows", "nvfp4_fake_quantize", "nvfp4_dequantize",
     "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "fp8_amx_linear", "intx_amx_linear",
     "intxdq_amx_linear", "amx_available", "read_xor", "bf16_linear", "dense_linear_io",
-    "decode_attention",
+    "decode_attention", "register_cpu_kernels",
 ]
 # No contraction of a separate multiply and add into an FMA: the dequantizing kernels must round
 # as the reference does.
@@ -92,10 +92,25 @@ def load():
         announce = (f"hf_aoq: compiling its C++ CPU kernels for {ext.isa.upper()} (once per machine and torch "
                     f"version; about a minute, longer on a busy machine) into {root}")
         wait_s = float(os.environ.get("HF_AOQ_EXTENSION_WAIT", WAIT_SECONDS))
-        return build_cache.load_or_build(ext, announce=announce, wait_s=wait_s, root=root)
+        mod = build_cache.load_or_build(ext, announce=announce, wait_s=wait_s, root=root)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         warnings.warn(f"hf_aoq: CPU extension unavailable, using reference kernels ({type(e).__name__}: {e})")
         return None
+    _register_with_dispatcher(mod)
+    return mod
+
+
+def _register_with_dispatcher(mod) -> None:
+    """The opaque ops' CPU kernels (csrc/dispatch.cpp) as their dispatcher kernels, so that a
+    compiled graph calls the C++ without a call into Python per op. The ops are defined first (the
+    modules that declare them); should a schema not match, the ops keep their Python kernels."""
+    from . import cpu, cpu_attention, cpu_dense  # noqa: F401 - define the ops dispatch.cpp registers
+
+    try:
+        mod.register_cpu_kernels()
+    except RuntimeError as e:
+        warnings.warn(f"hf_aoq: the CPU kernels are not registered with torch's dispatcher; compiled graphs call "
+                      f"them through Python ({e})")
 
 
 @torch._dynamo.assume_constant_result

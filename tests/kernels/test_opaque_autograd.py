@@ -45,7 +45,7 @@ def test_opcheck_the_cpu_ops_schema_fake_and_autograd_registration():
     w = quantize_(torch.nn.Linear(64, 48), Int4WeightOnlyConfig(32)).weight
     assert w.packing == "cpu_int4_pairs"
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    args = (x, w.qdata, w.scale, 32, 64, None)
+    args = (x, w.qdata, w.scale, 32, 64, None, cpu.INT4_GEMV_MAX_ROWS)
     torch.library.opcheck(cpu.int4_linear_io.op, args)
     q = torch.randn(1, 8, 1, 16, requires_grad=True)
     k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
@@ -53,3 +53,28 @@ def test_opcheck_the_cpu_ops_schema_fake_and_autograd_registration():
     out = cpu_attention.decode_attention.op(q, k, v, None, 0.25)
     assert not out.requires_grad
     torch.testing.assert_close(out, cpu_attention.decode_attention.eager(q.detach(), k, v, None, 0.25), rtol=0, atol=0)
+
+
+# The ops whose CPU kernel csrc/dispatch.cpp registers with the dispatcher: a compiled graph calls
+# them without going through Python.
+CPP_CPU_OPS = ("int4_linear_io_cpu", "int4dq_linear_io_cpu", "int8_linear_io_cpu",
+               "int8dyn_linear_io_cpu", "fp8_linear_io_cpu", "dense_linear_io_cpu", "decode_attention_cpu")
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's C++ extension is not built here")
+def test_the_per_token_cpu_ops_have_a_cpp_kernel_that_gives_the_python_kernels_numbers():
+    from hf_aoq.kernels import cpu, cpu_attention, cpu_dense, registry  # noqa: F401 - defines the ops
+
+    ops = registry.opaque_ops()
+    for name in CPP_CPU_OPS:
+        assert f"hf_aoq::{name}" in ops, name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"hf_aoq::{name}", "CPU"), name
+    assert cpu_ext.load().register_cpu_kernels() is False  # once per process
+    w = quantize_(torch.nn.Linear(64, 48), Int4WeightOnlyConfig(32)).weight
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    args = (x, w.qdata, w.scale, 32, 64, None, cpu.INT4_GEMV_MAX_ROWS)
+    assert torch.equal(cpu.int4_linear_io.op(*args), cpu.int4_linear_io.eager(*args))
+    w8 = quantize_(torch.nn.Linear(64, 48), Int8WeightOnlyConfig()).weight
+    b = torch.randn(48, dtype=torch.bfloat16)
+    args = (x, w8.qdata, w8.scale, b, cpu.INT8_GEMV_MAX_ROWS)
+    assert torch.equal(cpu.int8_linear_io.op(*args), cpu.int8_linear_io.eager(*args))

@@ -134,3 +134,6 @@ torch::Tensor int8dyn_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor 
                                 int64_t gemv_max_rows);
 torch::Tensor fp8_linear_io(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
                             c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
+
+// dispatch.cpp: the opaque ops' CPU kernels registered with torch's dispatcher.
+bool register_cpu_kernels();
