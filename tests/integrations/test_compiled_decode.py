@@ -152,3 +152,27 @@ def test_compiled_generate_workflow_and_command_line(tiny_llama_dir, tmp_path, c
     printed = capsys.readouterr()
     assert printed.out.splitlines()[-2] == eager.text
     assert "compiled the decode step in" in printed.err
+
+
+def test_the_compiled_steps_fused_kernels_run_in_one_thread_at_a_decode_row():
+    """At one row the step's norms and activations are a microsecond of work: no parallel region
+    (generation.SERIAL_CHUNK), where Inductor's default parallelizes a 2048-wide row."""
+    from torch._inductor.utils import run_and_get_code
+    from transformers import StaticCache
+
+    from hf_aoq.workflows.generation import compiled_step
+
+    def step_code(step, model):
+        cache = StaticCache(config=model.config, max_cache_len=4)
+        with torch.inference_mode():
+            model(input_ids=PROMPT[:, :2], past_key_values=cache, use_cache=True)
+            _, code = run_and_get_code(step, input_ids=PROMPT[:, 2:3], past_key_values=cache,
+                                       position_ids=torch.tensor([[2]]), use_cache=True)
+        return "\n".join(code)
+
+    model = tiny_llama(hidden=2048, intermediate=2048, layers=1, heads=16, kv_heads=4, vocab=256).eval()
+    torch._dynamo.reset()
+    default = torch.compile(lambda **kw: model(**kw), fullgraph=True, dynamic=False)
+    assert "#pragma omp parallel" in step_code(default, model)  # the test can tell
+    torch._dynamo.reset()
+    assert "#pragma omp parallel" not in step_code(compiled_step(model), model)
