@@ -159,7 +159,38 @@ def bench(tools: Tools, gguf: Path, *, prefill_tokens: int, decode_tokens: int, 
           timeout: float) -> dict:
     text = _run([str(tools.bench), "-m", str(gguf), "-p", str(prefill_tokens), "-n", str(decode_tokens),
                  "-t", str(threads), "-r", str(repeats), "-o", "json"], f"llama-bench on {gguf.name}", timeout)
-    return dict(parse_bench(text, prefill_tokens, decode_tokens), model_bytes=gguf.stat().st_size)
+    return dict(parse_bench(text, prefill_tokens, decode_tokens), model_bytes=gguf.stat().st_size, gguf=str(gguf))
+
+
+def parse_decode(text: str, decode_tokens: int) -> float:
+    """Decode tok/s from `llama-bench -p 0 -n N -o json` output (one generation test)."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LlamaCppError(f"llama-bench printed no JSON ({e})") from None
+    for r in rows if isinstance(rows, list) else ():
+        if isinstance(r, dict) and r.get("n_gen") == decode_tokens and not r.get("n_prompt"):
+            samples = r.get("samples_ts")
+            return float(statistics.median(samples)) if samples else float(r["avg_ts"])
+    raise LlamaCppError(f"llama-bench's JSON lacks the tg{decode_tokens} test")
+
+
+def decode_once(bench_path: str | os.PathLike, gguf: str | os.PathLike, *, decode_tokens: int, threads: int,
+                timeout: float) -> float:
+    """One llama-bench decode of `decode_tokens` tokens (no prompt, one repetition): tok/s. The
+    benchmark alternates these with hf_aoq's decodes in one process (benchmark.py's pairs step),
+    so that both sides of a ratio see the same minute of a machine whose speed drifts."""
+    text = _run([str(bench_path), "-m", str(gguf), "-p", "0", "-n", str(decode_tokens), "-t", str(threads),
+                 "-r", "1", "-o", "json"], f"llama-bench on {Path(gguf).name}", timeout)
+    return parse_decode(text, decode_tokens)
+
+
+def alternated_ratios(ours: list[float], theirs: list[float]) -> dict:
+    """Per-round ratios of alternated decodes (hf_aoq / llama.cpp tok/s): median, min, max."""
+    r = [a / b for a, b in zip(ours, theirs) if a and b]
+    if not r:
+        return {}
+    return {"median": statistics.median(r), "min": min(r), "max": max(r), "rounds": len(r)}
 
 
 def run(bench_path, model_dir, cache_dir, *, src=None, prefill_tokens: int, decode_tokens: int, threads: int,
@@ -210,4 +241,22 @@ def markdown(report: dict, fmt) -> list[str]:
                   "| --- | --- | --- | --- |"]
         for key, v in llama["vs"].items():
             lines.append(f"| {key} | {fmt(v.get('decode_tps'))} | {fmt(v.get('prefill_s'))} | {fmt(v.get('model_bytes'))} |")
+    alt = llama.get("alternated") or {}
+    if alt:
+        def span(r: dict) -> str:
+            return f"{fmt(r['median'])} ({fmt(r['min'])}-{fmt(r['max'])})" if r else ""
+
+        lines += ["", "Decode alternated in one process, round by round (hf_aoq, then each llama.cpp type, the order "
+                  "reversed every other round), so that both sides of each ratio ran in the same minute: medians of "
+                  "the rounds' tok/s, and the median (min-max) of the per-round ratios.", "",
+                  "| hf_aoq / llama.cpp, alternated | rounds | hf_aoq tok/s | compiled tok/s | llama.cpp tok/s | "
+                  "decode ratio | compiled decode ratio |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for key, v in alt.items():
+            if v.get("error"):
+                lines.append(f"| {key} | | {v['error']} | | | | |")
+                continue
+            med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+            lines.append(f"| {key} | {len(v.get('llama_tps', []))} | {fmt(med(v.get('hf_aoq_tps')))} | "
+                         f"{fmt(med(v.get('compiled_tps')))} | {fmt(med(v.get('llama_tps')))} | "
+                         f"{span(v.get('ratio', {}))} | {span(v.get('compiled_ratio', {}))} |")
     return lines

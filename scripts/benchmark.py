@@ -401,13 +401,53 @@ def child_build_model(a) -> dict:
     return {}
 
 
+def child_pairs(a) -> dict:
+    """Decode alternated with llama.cpp's, round by round in this one process: per round hf_aoq's
+    eager decode (and its compiled one with --compiled), then one llama-bench decode of each GGUF
+    of --gguf (TYPE=PATH,...), the order reversed every other round. Lists of tok/s."""
+    import torch
+
+    torch.manual_seed(0)
+    backend, scheme = CONFIGS[a.config]
+    model = load(a.model, backend, scheme)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen)  # the measure step's prompt, drawn the same way
+    prompt = torch.randint(0, vocab, (1, 16), generator=gen)
+    ggufs = dict(item.split("=", 1) for item in a.gguf.split(","))
+    threads = a.threads or torch.get_num_threads()
+    decoder = None
+    if a.compiled:
+        from bench_compiled import CompiledDecoder  # scripts/, beside this file
+
+        decoder = CompiledDecoder(model, prompt.shape[1] + 2 + a.decode_tokens)
+        decoder.run(prompt, 2)  # compiles
+    decode_tps(model, prompt, 4)  # warm-up
+
+    def ours() -> None:
+        res["hf_aoq_tps"].append(decode_tps(model, prompt, a.decode_tokens))
+        if decoder is not None:
+            res["compiled_tps"].append(a.decode_tokens / decoder.run(prompt, 2 + a.decode_tokens, timed_from=2)[1])
+
+    def theirs() -> None:
+        for qtype, path in ggufs.items():
+            res["llama_tps"][qtype].append(bench_llama_cpp.decode_once(
+                a.llama_cpp, path, decode_tokens=a.decode_tokens, threads=threads, timeout=a.timeout))
+
+    res = {"hf_aoq_tps": [], "compiled_tps": [], "llama_tps": {q: [] for q in ggufs}}
+    for r in range(a.llama_cpp_rounds):
+        for step in ((ours, theirs) if r % 2 == 0 else (theirs, ours)):
+            step()
+    return res
+
+
 def _one_line(e: BaseException) -> str:
     msg = " ".join(str(e).split())
     return f"{type(e).__name__}: {msg[:300]}"
 
 
 def run_child(a) -> int:
-    step = {"measure": child_measure, "reload": child_reload, "fidelity": child_fidelity,
+    step = {"measure": child_measure, "reload": child_reload, "fidelity": child_fidelity, "pairs": child_pairs,
             "prepare-smollm2": child_prepare_smollm2, "build-model": child_build_model}[a.child]
     import torch
 
@@ -504,7 +544,38 @@ def run_llama_cpp(a, model_dir: Path, results: dict, notes: list) -> dict:
     notes.extend(more)
     first = next(iter(rows.values()), {})
     return {"results": rows, "vs": bench_llama_cpp.ratios(results, rows), "build": first.get("build"),
-            "threads": first.get("threads"), "cpu": first.get("cpu")}
+            "threads": first.get("threads"), "cpu": first.get("cpu"),
+            "alternated": alternate_with_llama_cpp(a, model_dir, results, rows, notes)}
+
+
+def alternate_with_llama_cpp(a, model_dir: Path, results: dict, rows: dict, notes: list) -> dict:
+    """hf_aoq / llama.cpp decode ratios from rounds alternated in one process (child_pairs): one
+    child per hf_aoq config of bench_llama_cpp.PAIRS that decoded here, against each llama.cpp type
+    paired with it. The separate rows above ran minutes apart; on a machine whose speed drifts
+    (these VMs': 20-50% within minutes) only these ratios compare like with like."""
+    if a.llama_cpp_rounds <= 0:
+        return {}
+    by_config: dict[str, list[str]] = {}
+    for ours, theirs in bench_llama_cpp.PAIRS:
+        if "decode_tps" in results.get(ours, {}) and rows.get(theirs, {}).get("gguf"):
+            by_config.setdefault(ours, []).append(theirs)
+    out = {}
+    for ours, types in by_config.items():
+        log(f"[{ours}] decode alternated with llama.cpp {', '.join(types)}, {a.llama_cpp_rounds} rounds ...")
+        ggufs = ",".join(f"{t}={rows[t]['gguf']}" for t in types)
+        m = spawn(a, "pairs", ["--config", ours, "--model", str(model_dir), "--gguf", ggufs, "--llama-cpp", a.llama_cpp,
+                               "--llama-cpp-rounds", str(a.llama_cpp_rounds)] + common_args(a), a.timeout)
+        for t in types:
+            key = f"{ours} / llama.cpp {t}"
+            if m.get("error"):
+                out[key] = {"error": m["error"]}
+                notes.append(f"{key}, alternated: {m['error']}")
+                continue
+            theirs = m["llama_tps"][t]
+            out[key] = {"hf_aoq_tps": m["hf_aoq_tps"], "compiled_tps": m["compiled_tps"], "llama_tps": theirs,
+                        "ratio": bench_llama_cpp.alternated_ratios(m["hf_aoq_tps"], theirs),
+                        "compiled_ratio": bench_llama_cpp.alternated_ratios(m["compiled_tps"], theirs)}
+    return out
 
 
 def build_report(a, model_desc: str, bandwidth: float, probes: dict, results: dict, notes: list, complete: bool) -> dict:
@@ -692,10 +763,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "see scripts/bench_llama_cpp.py); skipped with a note when it cannot run")
     p.add_argument("--llama-cpp-src", default=None, metavar="DIR",
                    help="llama.cpp's source tree, for convert_hf_to_gguf.py (default: the tree llama-bench was built in)")
+    p.add_argument("--llama-cpp-rounds", type=int, default=5, metavar="N",
+                   help="with --llama-cpp: also decode each hf_aoq config alternated with its llama.cpp pairs in one "
+                        "process, N rounds, and report the per-round ratios (default 5; 0: skip)")
     p.add_argument("--verbose", action="store_true", help="show the children's output")
     p.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     # internal: one step of one configuration, in a fresh process
-    for flag in ("--child", "--result", "--config", "--save-dir", "--smollm2-dir"):
+    for flag in ("--child", "--result", "--config", "--save-dir", "--smollm2-dir", "--gguf"):
         p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     return p
 

@@ -147,6 +147,53 @@ def test_parse_bench_requires_both_tests():
     assert got["prefill_s"] == 0.5 and got["decode_tps"] == 10.0
 
 
+def test_parse_decode_and_alternated_ratios():
+    rows = [dict(n_prompt=0, n_gen=0, avg_ts=0.0), dict(n_prompt=0, n_gen=16, avg_ts=9.0, samples_ts=[10.0, 12.0, 8.0])]
+    assert lc.parse_decode(json.dumps(rows), 16) == 10.0
+    with pytest.raises(lc.LlamaCppError, match="lacks the tg32 test"):
+        lc.parse_decode(json.dumps(rows), 32)
+    with pytest.raises(lc.LlamaCppError, match="printed no JSON"):
+        lc.parse_decode("| model |", 16)
+    got = lc.alternated_ratios([10.0, 20.0, 30.0], [20.0, 20.0, 20.0])
+    assert got == {"median": 1.0, "min": 0.5, "max": 1.5, "rounds": 3}
+    assert lc.alternated_ratios([], [1.0]) == {}
+
+
+def test_pairs_alternate_the_order_every_round(monkeypatch):
+    """benchmark.py's pairs step: hf_aoq's decode and each llama.cpp type's, in turn, the order
+    reversed every other round, one list of tok/s per side."""
+    import argparse
+
+    import benchmark
+
+    calls = []
+
+    class Model:
+        config = type("C", (), {"vocab_size": 100})
+
+    def ours(model, prompt, n):
+        calls.append(("hf_aoq", n))
+        return float(len(calls))
+
+    def theirs(bench, path, *, decode_tokens, threads, timeout):
+        assert (bench, decode_tokens, threads) == ("llama-bench", 8, 2)
+        calls.append((Path(path).name, decode_tokens))
+        return 100.0 + len(calls)
+
+    monkeypatch.setattr(benchmark, "load", lambda *args, **kw: Model())
+    monkeypatch.setattr(benchmark, "decode_tps", ours)
+    monkeypatch.setattr(benchmark.bench_llama_cpp, "decode_once", theirs)
+    a = argparse.Namespace(config="int8", model="m", gguf="Q8_0=/x/q8.gguf,Q4_0=/x/q4.gguf", threads=2, compiled=False,
+                           decode_tokens=8, prefill_tokens=16, llama_cpp="llama-bench", llama_cpp_rounds=3, timeout=60)
+    got = benchmark.child_pairs(a)
+    assert calls == [("hf_aoq", 4),  # warm-up
+                     ("hf_aoq", 8), ("q8.gguf", 8), ("q4.gguf", 8),
+                     ("q8.gguf", 8), ("q4.gguf", 8), ("hf_aoq", 8),
+                     ("hf_aoq", 8), ("q8.gguf", 8), ("q4.gguf", 8)]
+    assert got == {"hf_aoq_tps": [2.0, 7.0, 8.0], "compiled_tps": [],
+                   "llama_tps": {"Q8_0": [103.0, 105.0, 109.0], "Q4_0": [104.0, 106.0, 110.0]}}
+
+
 def test_ratios_pair_the_same_bits():
     ours = {"int8": {"decode_tps": 20.0, "prefill_s": 1.0, "model_bytes": 100}, "bf16": {"decode_tps": 5.0},
             "int4-head": {"decode_tps": 15.0, "prefill_s": 3.0, "model_bytes": 40}}
@@ -162,14 +209,23 @@ def test_benchmark_reports_llama_cpp_rows_and_ratios(tmp_path, fake_llama_cpp):
     args = ["--tiny", "--layers", "1", "--configs", "bf16,int8", "--no-fidelity", "--cache-dir", str(tmp_path / "cache"),
             "--out", str(out), "--bandwidth-mb", "16", "--prefill-tokens", "16", "--decode-tokens", "2", "--repeats", "1",
             "--threads", "1", "--batches", "1"]
-    r = subprocess.run([sys.executable, str(SCRIPTS / "benchmark.py"), *args, "--llama-cpp", str(fake_llama_cpp)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(SCRIPTS / "benchmark.py"), *args, "--llama-cpp", str(fake_llama_cpp),
+                        "--llama-cpp-rounds", "2"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     llama = report["llama_cpp"]
     assert set(llama["results"]) == set(lc.TYPES) and llama["threads"] == 1
     assert set(llama["vs"]) == {"bf16 / llama.cpp f16", "int8 / llama.cpp Q8_0"}
     assert "| hf_aoq / llama.cpp |" in r.stdout and "| Q4_K_M |" in r.stdout
+    # the same pairs decoded alternated in one process, two rounds each
+    alt = llama["alternated"]
+    assert set(alt) == {"bf16 / llama.cpp f16", "int8 / llama.cpp Q8_0"}
+    for key, v in alt.items():
+        gguf = llama["results"][key.rpartition(" ")[2]]["gguf"]
+        assert len(v["hf_aoq_tps"]) == 2 and v["compiled_tps"] == [] and v["compiled_ratio"] == {}
+        assert v["llama_tps"] == [1e8 / Path(gguf).stat().st_size] * 2  # the stand-in's decode rate
+        assert v["ratio"]["rounds"] == 2 and v["ratio"]["min"] <= v["ratio"]["median"] <= v["ratio"]["max"]
+    assert "| hf_aoq / llama.cpp, alternated |" in r.stdout and "| int8 / llama.cpp Q8_0 | 2 |" in r.stdout
     # the saved report renders the same tables
     rendered = subprocess.run([sys.executable, str(SCRIPTS / "benchmark.py"), "--render", str(out)],
                               capture_output=True, text=True, timeout=120)
