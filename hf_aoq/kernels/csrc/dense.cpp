@@ -26,16 +26,15 @@ void bf16_gemv(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N
 #if defined(__AVX2__)
   const auto lanes = [](const uint16_t* p) { return bf16_lanes(p); };
   const auto one = [](uint16_t c) { return bf16_to_float(c); };
-  // Four rows at a time, the next four's lines asked for into L2 as they are read: 26-27 GB/s
-  // against 22-23 for eight rows asked for into L1 (simd.h's choice for one-byte codes, whose
-  // blocks are half the bytes), Zen 4, [32000, 2048], three runs.
+  // Four rows at a time, the next four's lines asked for into L2 as they are read (simd.h): 26-27
+  // GB/s against 22-23 for eight rows asked for into L1, Zen 4, [32000, 2048], three runs.
   constexpr int kRows = 4;
   if (M == 1 && N >= kRows) {  // the last block starts kRows from the end
     at::parallel_for(0, (N + kRows - 1) / kRows, 4, [&](int64_t b0, int64_t b1) {
       float d[kRows];
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n = std::min(kRows * b, N - kRows);
-        dot_rows<kRows, true>(x, w + n * K, K, lanes, one, d);
+        dot_rows<kRows>(x, w + n * K, K, lanes, one, d);
         for (int j = 0; j < kRows; ++j) y[n + j] = d[j];
       }
     });

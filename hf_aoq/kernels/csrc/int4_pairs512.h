@@ -35,14 +35,27 @@ namespace {
 // its steps (blocks) in order and each step's codes are one or two contiguous streams, but the
 // hardware prefetcher kept too few lines in flight: from DRAM (weights cycled past L3) the AVX-512
 // GEMV read 9-10 GB/s where the same loop ran at 26 GB/s from L3. So each code stream is fetched
-// kInt4Prefetch bytes ahead (one prefetch per 64 bytes), and the group parameters, [G, N] with a
-// whole page or more between groups (a strided stream the hardware prefetcher does not follow),
-// kInt4ParamPrefetch groups ahead. Distances of 1-4 KB and 2-8 groups measured alike; none
-// (neither) was 25-40% slower. A prefetch is a hint, never a fault, so one past a row's or the
-// tensor's end (the last step's) is harmless; it changes no arithmetic.
+// ahead (one prefetch per 64 bytes), and the group parameters, [G, N] with a whole page or more
+// between groups (a strided stream the hardware prefetcher does not follow), kInt4ParamPrefetch
+// groups ahead. A prefetch is a hint, never a fault, so one past a row's or the tensor's end (the
+// last step's) is harmless; it changes no arithmetic.
+// The AVX2 step reads one stream, a block after the other, so kInt4Prefetch bytes on is simply
+// further along the same stream, into L1 (1-4 KB and 2-8 groups measured alike on the Xeon; none
+// 25-40% slower). The AVX-512 step reads two blocks side by side (a and b below, 16 K bytes
+// apart): there the codes are asked for kInt4Prefetch64 bytes on into L2, and a distance that
+// passes a block's end goes on at the same place in the next step's block (the next thing this
+// stream reads) instead of into the other block, which is already being read. On the AMD EPYC
+// Zen 4 (weights cycled from DRAM, 2 threads, builds alternated in one process, 10 rounds) the
+// AVX-512 GEMV read int4 g128 [5632, 2048] 1.27-1.28x as fast (median of per-round ratios) as
+// with 2 KB into L1, [2048, 5632] 1.07-1.18x, Int4DQ g32 1.07-1.09x; 4 KB and 16 KB measured
+// alike, 8 KB into L1 or without the jump past a block's end no better than before
+// (docs/performance.md, "Prefetch into L2"). With K < 512 (a block under 8 KB) the jump lands a
+// block early: a wasted hint, nothing else.
 constexpr int64_t kInt4Prefetch = 2048;
+constexpr int64_t kInt4Prefetch64 = 8192;
 constexpr int64_t kInt4ParamPrefetch = 4;
 inline void int4_prefetch(const uint8_t* p) { __builtin_prefetch(p, 0, 3); }
+inline void int4_prefetch_l2(const uint8_t* p) { __builtin_prefetch(p, 0, 2); }
 
 // The parameters kInt4ParamPrefetch groups after group g of the step at rows n0 (of `step` rows,
 // G groups): past the step's last group, the next step's, which the same thread computes next.
@@ -66,7 +79,13 @@ constexpr int kMaxTile64 = 4;  // activation rows per pass over a step's codes: 
 template <int MB>
 __attribute__((always_inline)) inline void int4_group_isums64(const uint8_t* a, const uint8_t* b,
                                                               const int16_t* const* xc, int64_t j0, int64_t j1,
-                                                              __m512i (*acc)[4], bool pf) {
+                                                              __m512i (*acc)[4], bool pf, int64_t blen) {
+  // The byte kInt4Prefetch64 on in stream s at column pair j; past the block's end (blen bytes),
+  // the same place in the next step's block, 2 * blen on.
+  auto ahead = [blen](const uint8_t* s, int64_t j) {
+    const int64_t off = 32 * j + kInt4Prefetch64;
+    return s + (off < blen ? off : off + blen);
+  };
   const __m512i m4 = _mm512_set1_epi16(15);
   auto codes = [&](int64_t j, __m512i* q) {
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j))),
@@ -89,8 +108,8 @@ __attribute__((always_inline)) inline void int4_group_isums64(const uint8_t* a, 
     __m512i o[4];
     for (int t = 0; t < 4; ++t) o[t] = _mm512_setzero_si512();
     for (; j + 2 <= j1; j += 2) {
-      int4_prefetch(a + 32 * j + kInt4Prefetch);
-      int4_prefetch(b + 32 * j + kInt4Prefetch);
+      int4_prefetch_l2(ahead(a, j));
+      int4_prefetch_l2(ahead(b, j));
       __m512i q[4], r[4];
       codes(j, q);
       codes(j + 1, r);
@@ -104,8 +123,8 @@ __attribute__((always_inline)) inline void int4_group_isums64(const uint8_t* a, 
   }
   for (; j < j1; ++j) {
     if (pf && (j & 1) == 0) {  // a 64-byte line per stream every two column pairs
-      int4_prefetch(a + 32 * j + kInt4Prefetch);
-      int4_prefetch(b + 32 * j + kInt4Prefetch);
+      int4_prefetch_l2(ahead(a, j));
+      int4_prefetch_l2(ahead(b, j));
     }
     __m512i q[4];
     codes(j, q);
@@ -188,7 +207,7 @@ inline void int4_tile64(const Int16Rows& xq, const uint8_t* a, const uint8_t* b,
   const int16_t* xc[MB];
   for (int i = 0; i < MB; ++i) xc[i] = xq.codes.data() + (m0 + i) * K;
   __m512i acc[MB][4];
-  int4_group_isums64<MB>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc, m0 == 0);
+  int4_group_isums64<MB>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc, m0 == 0, 16 * K);
   for (int i = 0; i < MB; ++i) {
     float* op = out + (m0 + i) * R * 64;
     __m512 o[R][4];
@@ -226,7 +245,7 @@ void int4_step64(const Int16Rows& xq, const uint8_t* w, const P& params, const f
     for (int64_t g = 0; g < G; ++g) {
       int4_prefetch_params(params, G, g, n0, 64);
       __m512i acc[1][4];
-      int4_group_isums64<1>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc, true);
+      int4_group_isums64<1>(a, b, xc, g * gs / 2, (g + 1) * gs / 2, acc, true, 16 * K);
       group_params(g);
       if constexpr (Affine) int4_affine_group64(s, zc, xq.sx[g], xq.xs[g], P::offset, acc[0], o, AU, BX);
       else int4_epilogue64(s, zc, xq.sx[g], xq.xs[g], acc[0], o);

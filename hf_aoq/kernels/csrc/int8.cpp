@@ -145,7 +145,7 @@ constexpr int kCodeRows = 4;
 // MB activation rows of codes (from m0) against NR weight rows (from n0), K a multiple of 32 and
 // of gs: y[m, n] = scale[n] * sum over groups g of sx[m, g] * (exact int32 sum of the group's
 // code products), summed lane by lane in float32, then across lanes. While a block of rows is
-// read, each row asks for the same column of the row NR on (the next block's), as dot_rows does.
+// read, each row asks for the same column of the row NR on (the next block's) into L2, as dot_rows does.
 template <int NR, int MB>
 inline void int8_code_tile(const Int16Rows& xr, int64_t m0, const int8_t* q, const float* scale, int64_t K,
                            int64_t gs, int64_t n0, float* y, int64_t N) {
@@ -161,7 +161,7 @@ inline void int8_code_tile(const Int16Rows& xr, int64_t m0, const int8_t* q, con
       for (int r = 0; r < NR; ++r) acc[i][r] = izero();
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
       if ((k & 63) == 0)
-        for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k), _MM_HINT_T0);
+        for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k), _MM_HINT_T1);
       ivec xc[MB];
       for (int i = 0; i < MB; ++i) xc[i] = codes32(c + i * K + k);
       for (int r = 0; r < NR; ++r) {

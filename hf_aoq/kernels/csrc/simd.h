@@ -85,8 +85,14 @@ inline vfloat bf16_lanes(const uint16_t* p) {
 // ahead in the same row, was measured against this one on that VM, int8 [5632, 2048] weights
 // cycled from DRAM at batch 1: 16.8-18.3 against 19.5-21.4 GB/s through the module (five runs
 // each, alternated); 19.0 against 21.5-21.9 GB/s in a standalone C++ loop (and 15.7 without
-// prefetch; docs/performance.md has the variants tried beside it). A prefetch never faults (the
-// last block's reach past the tensor's end touches nothing it needs) and changes no value.
+// prefetch; docs/performance.md has the variants tried beside it). The lines go into L2, not L1:
+// a block ahead is 16 KB or more of one-byte codes, half an L1 or more, and on the AMD EPYC Zen 4
+// (weights cycled from DRAM, 2 threads, both builds alternated in one process, 10 rounds) L2 read
+// the int8 GEMV 1.42x as fast at 1 and 4 rows ([5632, 2048]; [2048, 5632] 1.22x), int8dyn 1.43x
+// and float8 1.40x at 1 row (1.05x at 4), every round faster (docs/performance.md, "Prefetch into
+// L2"); dense.cpp's bf16 rows had measured the same way (26-27 against 22.5-23 GB/s). A prefetch
+// never faults (the last block's reach past the tensor's end touches nothing it needs) and
+// changes no value.
 
 // Weight rows per `dot_rows` call in the batch-1 GEMVs: eight on AVX-512 (one zmm accumulator a
 // row, of 32 registers); four on AVX2, whose 16 registers eight rows' two-register accumulators
@@ -103,9 +109,7 @@ constexpr int kDotRows = 4;
 // of the full 16-column blocks, vsum adds the lanes, the tail columns are added one by one: the
 // same order in the AVX2 and AVX-512 builds and for every NR, so each row's value does not depend
 // on how many rows it was computed with.
-// ToL2: the next block's lines asked for into L2 rather than L1 (dense.cpp's bf16 rows, twice the
-// bytes of the one-byte codes').
-template <int NR, bool ToL2 = false, typename T, class Widen, class Widen1>
+template <int NR, typename T, class Widen, class Widen1>
 inline void dot_rows(const float* x, const T* r0, int64_t K, const Widen& widen, const Widen1& widen1, float* out) {
   vfloat acc[NR];
   for (int r = 0; r < NR; ++r) acc[r] = vzero();
@@ -113,11 +117,7 @@ inline void dot_rows(const float* x, const T* r0, int64_t K, const Widen& widen,
   for (; k + kLanes <= K; k += kLanes) {
     if (((k * int64_t(sizeof(T))) & 63) == 0)  // once per 64-byte line of each row
       for (int r = 0; r < NR; ++r) {
-        const char* p = reinterpret_cast<const char*>(r0 + (NR + r) * K + k);
-        if constexpr (ToL2)
-          _mm_prefetch(p, _MM_HINT_T1);
-        else
-          _mm_prefetch(p, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(r0 + (NR + r) * K + k), _MM_HINT_T1);
       }
     const vfloat xv = vload(x + k);
     for (int r = 0; r < NR; ++r) acc[r] = vfma(xv, widen(r0 + r * K + k), acc[r]);
@@ -154,7 +154,7 @@ inline void dot_tile4(const float* x, int64_t ldx, const T* const* w, int64_t K,
   for (; k + kLanes <= K; k += kLanes) {
     if (Prefetch && (k & 63) == 0)
       for (int j = 0; j < 4; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + k), _MM_HINT_T1);
     const vfloat w0 = widen(w[0] + k), w1 = widen(w[1] + k), w2 = widen(w[2] + k), w3 = widen(w[3] + k);
     for (int i = 0; i < MB; ++i) {
       const vfloat xv = vload(x + i * ldx + k);
