@@ -124,6 +124,12 @@ def quantize(tools: Tools, f16: Path, qtype: str, timeout: float) -> Path:
     return out
 
 
+def _rate(r: dict) -> float:
+    """A llama-bench test's tokens/s: the median of its samples, else its average."""
+    samples = r.get("samples_ts")
+    return float(statistics.median(samples)) if samples else float(r["avg_ts"])
+
+
 def parse_bench(text: str, prefill_tokens: int, decode_tokens: int) -> dict:
     """{"prefill_s", "decode_tps", "model_type", "cpu", "build"} from `llama-bench -o json`
     output holding one prompt test and one generation test of one model."""
@@ -134,18 +140,13 @@ def parse_bench(text: str, prefill_tokens: int, decode_tokens: int) -> dict:
     if not isinstance(rows, list):
         raise LlamaCppError("llama-bench's JSON is not a list of tests")
     out: dict = {}
-
-    def rate(r: dict) -> float:
-        samples = r.get("samples_ts")
-        return float(statistics.median(samples)) if samples else float(r["avg_ts"])
-
     for r in rows:
         if not isinstance(r, dict):
             continue
         if r.get("n_prompt") == prefill_tokens and not r.get("n_gen"):
-            out["prefill_s"] = prefill_tokens / rate(r)
+            out["prefill_s"] = prefill_tokens / _rate(r)
         elif r.get("n_gen") == decode_tokens and not r.get("n_prompt"):
-            out["decode_tps"] = rate(r)
+            out["decode_tps"] = _rate(r)
         out.setdefault("model_type", r.get("model_type"))
         out.setdefault("cpu", r.get("cpu_info"))
         out.setdefault("build", r.get("build_commit"))
@@ -170,8 +171,7 @@ def parse_decode(text: str, decode_tokens: int) -> float:
         raise LlamaCppError(f"llama-bench printed no JSON ({e})") from None
     for r in rows if isinstance(rows, list) else ():
         if isinstance(r, dict) and r.get("n_gen") == decode_tokens and not r.get("n_prompt"):
-            samples = r.get("samples_ts")
-            return float(statistics.median(samples)) if samples else float(r["avg_ts"])
+            return _rate(r)
     raise LlamaCppError(f"llama-bench's JSON lacks the tg{decode_tokens} test")
 
 
@@ -251,11 +251,13 @@ def markdown(report: dict, fmt) -> list[str]:
                   "the rounds' tok/s, and the median (min-max) of the per-round ratios.", "",
                   "| hf_aoq / llama.cpp, alternated | rounds | hf_aoq tok/s | compiled tok/s | llama.cpp tok/s | "
                   "decode ratio | compiled decode ratio |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        def med(xs: list) -> float | None:
+            return statistics.median(xs) if xs else None
+
         for key, v in alt.items():
             if v.get("error"):
                 lines.append(f"| {key} | | {v['error']} | | | | |")
                 continue
-            med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
             lines.append(f"| {key} | {len(v.get('llama_tps', []))} | {fmt(med(v.get('hf_aoq_tps')))} | "
                          f"{fmt(med(v.get('compiled_tps')))} | {fmt(med(v.get('llama_tps')))} | "
                          f"{span(v.get('ratio', {}))} | {span(v.get('compiled_ratio', {}))} |")

@@ -266,6 +266,16 @@ def kernels_used(fn) -> list[str]:
     return [f"{k} ({n})" for k, n in sorted(seen.items())]
 
 
+def draw_inputs(vocab: int, prefill_tokens: int):
+    """The measure step's random inputs, in the order it draws them: the generator (its batch
+    prompts come next), the prefill ids and the batch-1 decode prompt."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    prefill_ids = torch.randint(0, vocab, (1, prefill_tokens), generator=gen)
+    return gen, prefill_ids, torch.randint(0, vocab, (1, 16), generator=gen)
+
+
 def child_measure(a) -> dict:
     import torch
 
@@ -285,9 +295,7 @@ def child_measure(a) -> dict:
     res["load_peak_rss_mb"] = peak_rss_mb()
     res["model_bytes"], res["bytes_per_token"] = model_bytes(model)
     vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    prefill_ids = torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen)
-    prompt = torch.randint(0, vocab, (1, 16), generator=gen)
+    gen, prefill_ids, prompt = draw_inputs(vocab, a.prefill_tokens)
 
     decode_tps(model, prompt, 4)  # warm-up (also any one-time kernel build)
     timed_prefill(model, prefill_ids[:, :16])
@@ -411,9 +419,7 @@ def child_pairs(a) -> dict:
     backend, scheme = CONFIGS[a.config]
     model = load(a.model, backend, scheme)
     vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    torch.randint(0, vocab, (1, a.prefill_tokens), generator=gen)  # the measure step's prompt, drawn the same way
-    prompt = torch.randint(0, vocab, (1, 16), generator=gen)
+    _, _, prompt = draw_inputs(vocab, a.prefill_tokens)  # the measure step's prompt
     ggufs = dict(item.split("=", 1) for item in a.gguf.split(","))
     threads = a.threads or torch.get_num_threads()
     decoder = None
