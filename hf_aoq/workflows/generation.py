@@ -123,6 +123,14 @@ def compiled_step(model, config=None):
     Inductor's fused kernels (norms, activations) run in one thread below SERIAL_CHUNK elements a
     thread, as a decode step's are.
 
+    The graph checks no sizes (Inductor's `size_asserts` off): by default its wrapper asserts the
+    size and strides of every input and of every opaque op's output, about 700 Python calls a
+    token for a 22-layer model (4 for each Int4DQ weight), 0.7-1.0 ms of a 21-30 ms token (AMD
+    EPYC Zen 4; docs/performance.md). What they would catch is caught before: the inputs' sizes
+    are among the guards this step keeps, the modules' weights are the model as it was compiled
+    (above), and each op's fake (its output's size, which the graph is built on) is checked
+    against its kernel by the tests (torch.library.opcheck).
+
     The step is kept on the model (`_hf_aoq_compiled_step`) and given again on the next call, so
     that a second generate reuses its graphs instead of compiling anew. Where torch takes no guard
     filter (before 2.8), every guard stays."""
@@ -139,6 +147,7 @@ def compiled_step(model, config=None):
         skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
         options = {"guard_filter_fn": skip} if skip else {}
         options["cpp.min_chunk_size"] = SERIAL_CHUNK  # a decode step's norms and activations in one thread
+        options["size_asserts"] = False  # the checks the guards and the tests already make (above)
         step = torch.compile(call, fullgraph=True, dynamic=False, options=options)
         model.__dict__[COMPILED_STEP] = (id(model), step)  # the step keeps the model alive: its id is its own
     if config is not None:

@@ -154,9 +154,10 @@ def test_compiled_generate_workflow_and_command_line(tiny_llama_dir, tmp_path, c
     assert "compiled the decode step in" in printed.err
 
 
-def test_the_compiled_steps_fused_kernels_run_in_one_thread_at_a_decode_row():
+def test_the_compiled_steps_code_has_serial_fused_kernels_and_no_size_asserts():
     """At one row the step's norms and activations are a microsecond of work: no parallel region
-    (generation.SERIAL_CHUNK), where Inductor's default parallelizes a 2048-wide row."""
+    (generation.SERIAL_CHUNK), where Inductor's default parallelizes a 2048-wide row. And no
+    assert_size_stride calls (compiled_step's docstring says what checks them instead)."""
     from torch._inductor.utils import run_and_get_code
     from transformers import StaticCache
 
@@ -172,7 +173,8 @@ def test_the_compiled_steps_fused_kernels_run_in_one_thread_at_a_decode_row():
 
     model = tiny_llama(hidden=2048, intermediate=2048, layers=1, heads=16, kv_heads=4, vocab=256).eval()
     torch._dynamo.reset()
-    default = torch.compile(lambda **kw: model(**kw), fullgraph=True, dynamic=False)
-    assert "#pragma omp parallel" in step_code(default, model)  # the test can tell
+    default = step_code(torch.compile(lambda **kw: model(**kw), fullgraph=True, dynamic=False), model)
+    assert "#pragma omp parallel" in default and "assert_size_stride(" in default  # the test can tell
     torch._dynamo.reset()
-    assert "#pragma omp parallel" not in step_code(compiled_step(model), model)
+    code = step_code(compiled_step(model), model)
+    assert "#pragma omp parallel" not in code and "assert_size_stride(" not in code
