@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 def test_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4dq,int4-head,int8-head,quanto-int8",
+        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4dq,int4-head,int4dq-head,int8-head,quanto-int8",
          "--no-fidelity", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32",
          "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "2", "--threads", "1"],
         capture_output=True, text=True, timeout=300,
@@ -32,7 +32,7 @@ def test_benchmark_runs_end_to_end(tmp_path):
     if cpu_ext.available():
         assert any(k.startswith("hf_aoq's load-only probe") for k in probes), probes
     results = report["results"]
-    for name in ("bf16", "int4", "int4dq", "int4-head", "int8-head"):
+    for name in ("bf16", "int4", "int4dq", "int4-head", "int4dq-head", "int8-head"):
         r = results[name]
         assert "error" not in r and "reload_error" not in r, r
         for key in ("load_s", "load_peak_rss_mb", "prefill_s", "decode_tps", "save_bytes", "reload_s",
@@ -60,7 +60,9 @@ def test_benchmark_runs_end_to_end(tmp_path):
     if cpu_ext.available() and cpu_ext.chosen_isa() in ("avx2", "avx512"):
         assert "linear bf16: dense_linear (1)" in results["int4"]["kernels_decode"]
         assert "attention: decode_attention (1)" in results["int4-head"]["kernels_decode"]
-    assert not any(k.startswith("linear bf16: ") for k in results["int4-head"]["kernels_decode"])
+    for name in ("int4-head", "int4dq-head"):
+        assert not any(k.startswith("linear bf16: ") for k in results[name]["kernels_decode"]), name
+    assert results["int4dq-head"]["model_bytes"] < results["int4dq"]["model_bytes"]
     assert results["int4"]["save_bytes"] < results["bf16"]["save_bytes"]
     assert results["bf16"]["vs_bf16"]["model_bytes"] == 1.0
     # optimum-quanto is optional: either it ran, or it was skipped with a note
