@@ -61,8 +61,9 @@ TINY_MOE = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 # fp8dyn (e4m3 weights and dynamic activations, per row).
 # hf_aoq only: int4dq (Int4DQTensor, groups of 32 with 4-bit group parameters: the command line's
 # int4), and int4-head / int4dq-head / int8-head, int4 / int4dq / int8 with lm_head quantized too
-# (int4 g128, Int4DQ g32; a tied lm_head is untied first), since at batch 1 the bf16 lm_head is the largest single weight read per
-# token (and llama.cpp's Q4_0 / Q8_0 quantize it: bench_llama_cpp.PAIRS).
+# (int4 g128, Int4DQ g32; a tied lm_head is untied first), since at batch 1 the bf16 lm_head is
+# the largest single weight read per token (and llama.cpp's Q4_0 / Q8_0 quantize it:
+# bench_llama_cpp.PAIRS).
 # The rest are hf_aoq.configs.config_for_scheme's names, with its defaults: int2..int6 (IntxTensor,
 # groups of 32), int8-int2..int8-int6 (the same with int8 per-token activations), int8-int4,
 # fp8-int4, int4-int4 (Int4Tensor with activations quantized per token) and fp8-static (float8
