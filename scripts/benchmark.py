@@ -118,9 +118,8 @@ def hf_aoq_config(scheme: str, recipe=None):
         return hf_aoq.Int4WeightOnlyConfig(group_size=128)
     if scheme == "int4dq":
         return hf_aoq.Int4DQWeightOnlyConfig()
-    if scheme in ("int4-head", "int4dq-head", "int8-head"):  # lm_head quantized too, as llama.cpp's Q4_0 (Q6_K) and Q8_0 do
-        body = {"int4-head": hf_aoq.Int4WeightOnlyConfig(group_size=128), "int4dq-head": hf_aoq.Int4DQWeightOnlyConfig(),
-                "int8-head": hf_aoq.Int8WeightOnlyConfig()}[scheme]
+    if scheme.endswith("-head"):  # lm_head quantized too, as llama.cpp's Q4_0 (Q6_K) and Q8_0 do
+        body = hf_aoq_config(scheme.removesuffix("-head"))
         return hf_aoq.FqnToConfig({"_default": body, "lm_head": body})
     return {
         "int8": hf_aoq.Int8WeightOnlyConfig,
