@@ -4,8 +4,7 @@ once in its own bytes and no whole bf16 copy is made. Two engines run the multip
 (rows `cpu_<format>_amx`, where AMX-BF16 is granted) and AVX512-BF16's dot products (rows
 `cpu_<format>_avx512bf16`, where AVX512-BF16 runs without AMX: AMD EPYC Zen 4 and Zen 5). Int4,
 Int4DQ, Int8 and Float8 weights, and Intx / IntxDQ bit streams (csrc/intx.cpp's panel). Int8
-weights with dynamic int8 activations multiply on the int8 tiles instead (cpu_int8dyn_amx, below:
-exact integer products, any float activations; AMX only).
+weights with dynamic int8 activations multiply in integers instead (cpu_int8dyn.py).
 
 The weight's bf16 values are the reference's `dequantize(bfloat16)`, bit for bit (a float32 value
 below 2^-126 becomes zero, which both multiplies read as zero anyway); the products are summed in
@@ -32,7 +31,6 @@ from typing import Optional
 import torch
 
 from . import cpu_ext, cpu_intx, cpu_isa
-from .common import FLOATS
 from .common import rows as _rows
 from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features, _per_row
 from .registry import capability, opaque_op, register_kernel
@@ -93,12 +91,6 @@ MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 7, "intxdq": 
 # F.linear's time, int4 1.00 / 1.02 against 1.22 / 1.17, Int4DQ 0.99 / 1.00 against 1.22 / 1.21,
 # int8 1.01 / 1.02 against 1.14 / 1.09, float8 1.02 / 1.01 against 1.14 / 1.14.
 MIN_ROWS_AVX512_BF16 = {"int4": 40, "int4dq": 24, "int8": 24, "fp8": 12, "intx": 12, "intxdq": 8}
-# Int8 weights with dynamic int8 activations on the int8 tiles (cpu_int8dyn_amx) against cpu.py's
-# GEMV on the activations fake-quantized in the same C++ call (cpu_int8_ext; weights from DRAM, 64
-# copies cycled, same machine, 2048x5632 / 5632x2048, tiles / GEMV): 1.39 / 1.06 at 1 row, 1.04 /
-# 1.03 at 2, 0.97 / 0.85 at 4, 0.46 / 0.42 at 8, 0.29 / 0.29 at 16. (At one row the GEMV reads
-# the weight at 21 GB/s, the tiles' panel writer at 13-15.)
-INT8DYN_MIN_ROWS = 4
 
 
 def _out(x, qdata, *rest):
@@ -122,12 +114,6 @@ def int4dq_amx_linear(x: torch.Tensor, packed: torch.Tensor, gparams: torch.Tens
 def int8_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                     bias: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
     return cpu_ext.load().int8_amx_linear(x, qdata, scale, bias, tiles)
-
-
-@opaque_op("int8dyn_amx_linear_cpu", _out)
-def int8dyn_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                       bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return cpu_ext.load().int8dyn_amx_linear(x, qdata, scale, bias)
 
 
 @opaque_op("fp8_amx_linear_cpu", _out)
@@ -234,23 +220,3 @@ def _register_engine(suffix: str, capability_: object, min_rows: dict, tiles: bo
 
 _register_engine("amx", AMX, MIN_ROWS, tiles=True, offset=0)
 _register_engine("avx512bf16", AVX512_BF16, MIN_ROWS_AVX512_BF16, tiles=False, offset=1)
-
-
-def _int8dyn_applies(x, w) -> bool:
-    # Dynamic per-token int8 activations, a scale per weight row, N a multiple of 32 and K of 64
-    # (the int8 tiles' step); any float activations (quantized inside, from their own dtype).
-    if w.act_quant != "per_token" or x.dtype not in FLOATS or not (_per_row(w) and w.qdata.is_contiguous()):
-        return False
-    n, k = w.qdata.shape
-    return n % 32 == 0 and k % 64 == 0 and _rows(x) >= INT8DYN_MIN_ROWS and x.stride(-1) == 1
-
-
-@register_kernel("linear", "Int8Tensor", "cpu_int8dyn_amx", backend="cpu", priority=40, device="cpu",
-                 needs=(CPU_EXT, AMX_INT8), when=_int8dyn_applies)
-def _int8dyn(x, w, bias):
-    """Int8 weights with dynamic int8 activations: the activations' codes and scales are the
-    reference's (common.quantize_int8_per_token, computed in C++), multiplied on AMX's int8 tiles
-    in exact int32 sums, then scaled in float32 (csrc/int8.cpp int8dyn_amx_linear). The reference
-    rounds the dequantized activations and weight to x's dtype first, so the outputs differ by
-    that rounding, not by the integer products."""
-    return _apply(x, w.qdata.shape[1], int8dyn_amx_linear, w.qdata, w.scale, bias)

@@ -20,9 +20,9 @@ import torch
 from . import build_cache, cpu_isa
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("int4.cpp", "int4dq.cpp", "int4dq_search.cpp", "int8.cpp", "int8_int4.cpp", "fp8.cpp", "linear_io.cpp",
-           "mx.cpp", "mx_quant.cpp", "intx.cpp", "nvfp4.cpp", "fpx.cpp", "fp8_sparse.cpp", "nvfp4_quant.cpp", "amx.cpp", "bandwidth.cpp",
-           "dense.cpp", "attention.cpp", "dispatch.cpp")
+SOURCES = ("int4.cpp", "int4dq.cpp", "int4dq_search.cpp", "int8.cpp", "int8dyn.cpp", "int8_int4.cpp", "fp8.cpp",
+           "linear_io.cpp", "mx.cpp", "mx_quant.cpp", "intx.cpp", "nvfp4.cpp", "fpx.cpp", "fp8_sparse.cpp", "nvfp4_quant.cpp",
+           "amx.cpp", "bandwidth.cpp", "dense.cpp", "attention.cpp", "dispatch.cpp")
 HEADER = "hf_aoq_cpu.h"  # declares FUNCTIONS
 FUNCTIONS = [
     "fp8_linear", "fp8_dequant_linear", "int4pack_linear", "int8_linear",
@@ -33,8 +33,8 @@ FUNCTIONS = [
     "intx_dequantize", "intxdq_linear_io", "intxdq_dequantize", "nvfp4_linear_io", "fpx_linear_io", "fpx_dequantize",
     "fp8_sparse_linear_io", "fp8_sparse_dequantize",
     "nvfp4_quantize_rows", "nvfp4_fake_quantize", "nvfp4_dequantize",
-    "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "fp8_amx_linear", "intx_amx_linear",
-    "intxdq_amx_linear", "amx_available", "read_xor", "bf16_linear", "dense_linear_io",
+    "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "int8dyn_vnni_linear",
+    "fp8_amx_linear", "intx_amx_linear", "intxdq_amx_linear", "amx_available", "read_xor", "bf16_linear", "dense_linear_io",
     "decode_attention", "register_cpu_kernels",
 ]
 # No contraction of a separate multiply and add into an FMA: the dequantizing kernels must round

@@ -2,9 +2,9 @@
 tiles and AVX512-BF16's dot products: the weight each panel holds is the reference's
 dequantize(bfloat16) bit for bit, the outputs agree with the reference kernel within float32
 accumulation, every chunking and tail path runs, and the kernel table takes them only where they
-apply (the AMX rows where AMX is granted, else the AVX512-BF16 rows). Int8 weights with dynamic int8
-activations on the int8 tiles: the activation codes are the reference's and the integer products
-exact. Each engine is skipped, saying why, where the CPU (or OS, or build) does not allow it."""
+apply (the AMX rows where AMX is granted, else the AVX512-BF16 rows). (Int8 weights with dynamic
+int8 activations: test_cpu_int8dyn.py.) Each engine is skipped, saying why, where the CPU (or OS,
+or build) does not allow it."""
 from __future__ import annotations
 
 import pytest
@@ -32,9 +32,6 @@ TABLE_ENGINE = "amx" if AMX else "avx512bf16" if DOT and cpu_isa.bf16_gemm_isa()
 MIN_ROWS = cpu_amx.MIN_ROWS if TABLE_ENGINE == "amx" else cpu_amx.MIN_ROWS_AVX512_BF16
 needs_table_engine = pytest.mark.skipif(
     TABLE_ENGINE is None, reason=f"neither engine runs here {_HERE}: the table's panel rows are skipped")
-
-AMX_INT8 = AMX and cpu_isa.amx_int8_allowed()
-needs_amx_int8 = pytest.mark.skipif(not AMX_INT8, reason=f"this CPU grants no AMX-INT8 {_HERE}")
 
 ROW = {fmt: f"cpu_{fmt}_{TABLE_ENGINE}" for fmt in ("int4", "int4dq", "int8", "fp8", "intx", "intxdq")}
 
@@ -181,8 +178,8 @@ def test_scratch_kept_between_calls_leaks_nothing(tiles):
 def test_the_table_takes_the_panel_rows_where_they_apply(monkeypatch):
     weights = _weights(64, 256)
     for name, (fmt, w) in weights.items():
-        if name == "int8 dynamic" and AMX_INT8:
-            continue  # the int8 tiles' row, above these: test_the_table_takes_the_int8_tile_row
+        if name == "int8 dynamic" and DOT:
+            continue  # the integer rows of the avx512 build, above these: test_cpu_int8dyn.py
         rows = MIN_ROWS[fmt]
 
         def chosen(m, dtype=torch.bfloat16, w=w):
@@ -224,91 +221,5 @@ def test_f_linear_runs_them_eagerly_and_compiled():
     eager = F.linear(x, w, bias)
     assert eager.shape == (3, 40, 96)
     torch.testing.assert_close(eager, _run("int4", x, w, bias, tiles=TABLE_ENGINE == "amx"))
-    compiled = torch.compile(lambda x: F.linear(x, w, bias), fullgraph=True)(x)
-    assert torch.equal(compiled, eager)
-
-
-# ---------------------------------------------------------------------- int8 x int8 tiles
-def _int8dyn_expected(x: torch.Tensor, w: Int8Tensor, bias) -> torch.Tensor:
-    """What cpu_int8dyn_amx must return bit for bit: the reference's activation codes and scales
-    (quantize_input), exact integer sums, then float32 (sum x row scale) x weight scale (+ bias)
-    and one rounding to x's dtype."""
-    codes, sx = w.quantize_input(x.reshape(-1, x.shape[-1]))
-    sums = codes.long() @ w.qdata.long().t()
-    y = (sums.float() * sx) * w.scale.reshape(-1).float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
-
-
-@needs_amx_int8
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,k", [(1, 128), (33, 384), (300, 8192), (9, 131072)])
-def test_int8_tiles_take_the_reference_codes_and_sum_them_exactly(dtype, rows, k):
-    # 300 rows x 8192: a chunk of 256 rows and one of 44, and k in chunks (2 MB of codes at 256
-    # rows), the int32 sums carried across them; 9 rows x 131072: a half block (rows 16-31 not
-    # multiplied) with k in chunks; an outlier channel, so rows' scales differ.
-    torch.manual_seed(rows)
-    w = Int8Tensor.from_float(torch.randn(96, k) * 0.05, act_quant="per_token")
-    x = torch.randn(rows, k, dtype=dtype)
-    x[: rows // 2, 5] *= 40
-    bias = torch.randn(96, dtype=dtype)
-    for b in (None, bias):
-        y = cpu_amx._int8dyn(x, w, b)
-        assert y.dtype == dtype and y.shape == (rows, 96)
-        assert torch.equal(y, _int8dyn_expected(x, w, b))
-
-
-@needs_amx_int8
-@pytest.mark.parametrize("rows", [1, 16, 257])
-def test_int8_tiles_agree_with_the_reference_kernel(rows):
-    # The reference rounds the dequantized activations and weight to bf16 before its float32 sums:
-    # within a few bf16 roundings of the output.
-    torch.manual_seed(rows)
-    w = Int8Tensor.from_float(torch.randn(128, 512) * 0.05, act_quant="per_token")
-    x = torch.randn(2, rows, 512, dtype=torch.bfloat16)
-    bias = torch.randn(128, dtype=torch.bfloat16)
-    y, ref = cpu_amx._int8dyn(x, w, bias), reference_linear(x, w, bias)
-    assert y.shape == ref.shape == (2, rows, 128)
-    scale = ref.float().abs().mean()
-    assert ((y.float() - ref.float()).abs() <= 2 ** -6 * (ref.float().abs() + scale)).all()
-
-
-@needs_amx_int8
-def test_the_table_takes_the_int8_tile_row(monkeypatch):
-    row = "cpu_int8dyn_amx"
-    dyn = Int8Tensor.from_float(torch.randn(64, 256), act_quant="per_token")
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        assert select_kernel("linear", torch.randn(2, 2, 256, dtype=dtype), dyn).name == row
-        assert select_kernel("linear", torch.randn(4, 7, 256, dtype=dtype), dyn).name == row
-        # Fewer rows: the GEMV on activations fake-quantized in the same C++ call.
-        assert select_kernel("linear", torch.randn(1, 3, 256, dtype=dtype), dyn).name == "cpu_int8_ext"
-    # Weight-only int8, K not a multiple of 64, N not of 32, or an input whose last dimension is
-    # strided: other rows.
-    assert select_kernel("linear", torch.randn(64, 256, dtype=torch.bfloat16), Int8Tensor.from_float(
-        torch.randn(64, 256))).name == ROW["int8"]
-    odd_k = Int8Tensor.from_float(torch.randn(64, 160), act_quant="per_token")
-    assert select_kernel("linear", torch.randn(64, 160, dtype=torch.bfloat16), odd_k).name == ROW["int8"]
-    odd_n = Int8Tensor.from_float(torch.randn(48, 256), act_quant="per_token")
-    assert select_kernel("linear", torch.randn(64, 256, dtype=torch.bfloat16), odd_n).name != row
-    strided = torch.randn(4, 512, dtype=torch.bfloat16)[:, ::2]
-    assert select_kernel("linear", strided, dyn).name != row
-    monkeypatch.setenv("HF_AOQ_CPU_ISA", "avx512")
-    registry.forget_capabilities()
-    try:
-        assert select_kernel("linear", torch.randn(64, 256, dtype=torch.bfloat16), dyn).name != row
-    finally:
-        monkeypatch.undo()
-        registry.forget_capabilities()
-
-
-@needs_amx_int8
-def test_the_int8_tile_row_runs_eagerly_and_compiled():
-    torch.manual_seed(5)
-    w = Int8Tensor.from_float(torch.randn(96, 256), act_quant="per_token")
-    bias = torch.randn(96, dtype=torch.bfloat16)
-    x = torch.randn(3, 40, 256, dtype=torch.bfloat16)
-    eager = F.linear(x, w, bias)
-    assert torch.equal(eager, _int8dyn_expected(x, w, bias))
     compiled = torch.compile(lambda x: F.linear(x, w, bias), fullgraph=True)(x)
     assert torch.equal(compiled, eager)

@@ -29,15 +29,16 @@ needs_bf16_gemm = pytest.mark.skipif(
 
 @pytest.fixture
 def amx_rows_held_off(monkeypatch):
-    """The panel rows (kernels/cpu_amx.py: AMX tiles, or AVX512-BF16's dot products without AMX),
-    above the bf16-GEMM rows, held off: these tests are about the bf16-GEMM rows, which still run
-    wherever the panel rows do not."""
-    from hf_aoq.kernels import cpu_amx
+    """The panel rows (kernels/cpu_amx.py: AMX tiles, or AVX512-BF16's dot products without AMX)
+    and the integer rows of int8 dynamic weights (kernels/cpu_int8dyn.py), above the bf16-GEMM
+    rows, held off: these tests are about the bf16-GEMM rows, which still run wherever the others
+    do not."""
+    from hf_aoq.kernels import cpu_amx, cpu_int8dyn
 
     for rows in (cpu_amx.MIN_ROWS, cpu_amx.MIN_ROWS_AVX512_BF16):
         for fmt in rows:
             monkeypatch.setitem(rows, fmt, 1 << 30)
-    monkeypatch.setattr(cpu_amx, "INT8DYN_MIN_ROWS", 1 << 30)
+    monkeypatch.setattr(cpu_int8dyn, "_int8dyn_fits", lambda x, w: False)
 
 
 @pytest.fixture

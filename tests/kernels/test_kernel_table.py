@@ -92,6 +92,7 @@ TABLE = [
     ("linear", "Int4Tensor", "cuda_tinygemm", "cuda_tinygemm"),
     ("linear", "Int4Tensor", "cuda_tinygemm", "reference"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8dyn_amx"),
+    ("linear", "Int8Tensor", "canonical", "cpu_int8dyn_vnni"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_amx"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_avx512bf16"),
     ("linear", "Int8Tensor", "canonical", "cpu_int8_bf16_gemm"),
@@ -100,6 +101,7 @@ TABLE = [
     ("linear", "Int8Tensor", "canonical", "triton_int8_gemv"),
     ("linear", "Int8Tensor", "canonical", "reference"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8dyn_amx"),
+    ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8dyn_vnni"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_amx"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_avx512bf16"),
     ("linear", "Int8Tensor", "cpu_int8_aligned", "cpu_int8_bf16_gemm"),
@@ -138,7 +140,7 @@ def test_each_packing_names_the_kernels_that_read_it():
         "cpu_int4_pairs": ["cpu_int8_int4_ext", "cpu_int4_amx", "cpu_int4_avx512bf16", "cpu_int4_bf16_gemm", "cpu_int4_ext"],
         "cpu_int4pack": ["cpu_int4pack_mm"],
         "cpu_int4dq": ["cpu_int4dq_amx", "cpu_int4dq_avx512bf16", "cpu_int4dq_bf16_gemm", "cpu_int4dq_ext"],
-        "cpu_int8_aligned": ["cpu_int8dyn_amx", "cpu_int8_amx", "cpu_int8_avx512bf16", "cpu_int8_bf16_gemm", "cpu_int8_ext",
+        "cpu_int8_aligned": ["cpu_int8dyn_amx", "cpu_int8dyn_vnni", "cpu_int8_amx", "cpu_int8_avx512bf16", "cpu_int8_bf16_gemm", "cpu_int8_ext",
                              "cpu_int8pack_mm"],
         "cuda_tinygemm": ["cuda_tinygemm"],
     }
@@ -164,10 +166,12 @@ def test_cpu_picks_fast_kernels():
     int4 = "cpu_int4_ext" if cpu_ext.available() else "cpu_int4pack_mm"
     int8 = "cpu_int8_ext" if cpu_ext.available() else "cpu_int8pack_mm"
     fp8 = "cpu_fp8_gemv" if cpu_ext.available() else "reference"
+    # int8 dynamic: the integer GEMV where the avx512 build runs (below the AMX tiles' rows).
+    int8dyn = "cpu_int8dyn_vnni" if cpu_ext.available() and cpu_ext.chosen_isa() == "avx512" else int8
     picks = {
         "Int4": (Int4WeightOnlyConfig(64), int4),
         "Int8": (Int8WeightOnlyConfig(), int8),
-        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8),  # 2 rows: below cpu_amx.INT8DYN_MIN_ROWS
+        "Int8dyn": (Int8DynamicActivationInt8WeightConfig(), int8dyn),
         "Float8": (Float8WeightOnlyConfig(), fp8),
         "Float8dyn": (Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()), fp8),
     }
@@ -347,6 +351,7 @@ def test_compiled_graphs_run_the_kernel_eager_mode_runs(config):
         "cpu_intxdq_ext": ["hf_aoq.intxdq_linear_io_cpu.default"],
         "cpu_int8_int4_ext": ["hf_aoq.int8_int4_linear_io_cpu.default"],
         "cpu_int8dyn_amx": ["hf_aoq.int8dyn_amx_linear_cpu.default"],
+        "cpu_int8dyn_vnni": ["hf_aoq.int8dyn_vnni_linear_cpu.default"],
     }.get(kernel.name, [])
     assert custom == expected, (kernel.name, ops)
     if kernel.name == "cpu_int4pack_mm":

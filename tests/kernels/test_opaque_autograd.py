@@ -58,14 +58,17 @@ def test_opcheck_the_cpu_ops_schema_fake_and_autograd_registration():
 # The ops whose CPU kernel csrc/dispatch.cpp registers with the dispatcher: a compiled graph calls
 # them without going through Python.
 CPP_CPU_OPS = ("int4_linear_io_cpu", "int4dq_linear_io_cpu", "int8_linear_io_cpu",
-               "int8dyn_linear_io_cpu", "fp8_linear_io_cpu", "dense_linear_io_cpu", "decode_attention_cpu")
+               "int8dyn_linear_io_cpu", "int8dyn_vnni_linear_cpu", "fp8_linear_io_cpu", "dense_linear_io_cpu",
+               "decode_attention_cpu")
+# The ones whose kernel runs only in the extension's avx512 build.
+AVX512_BUILD_OPS = ("int8dyn_vnni_linear_cpu",)
 
 
 def _per_token_op_calls():
-    """(op, args) of each op in CPP_CPU_OPS: a small call with a bias and one without, at the
-    rows of a decode step and a few more."""
+    """(op, args) of each op in CPP_CPU_OPS that this build runs: a small call with a bias and one
+    without, at the rows of a decode step and a few more."""
     from hf_aoq import Float8WeightOnlyConfig, Int4DQWeightOnlyConfig, Int8DynamicActivationInt8WeightConfig
-    from hf_aoq.kernels import cpu, cpu_attention, cpu_dense  # noqa: F401 - defines the ops
+    from hf_aoq.kernels import cpu, cpu_attention, cpu_dense, cpu_int8dyn  # noqa: F401 - defines the ops
 
     def weight(config, n=48, k=64):
         return quantize_(torch.nn.Linear(k, n), config).weight
@@ -75,6 +78,8 @@ def _per_token_op_calls():
     w4, wdq = weight(Int4WeightOnlyConfig(32)), weight(Int4DQWeightOnlyConfig(group_size=32))
     w8, wd8 = weight(Int8WeightOnlyConfig()), weight(Int8DynamicActivationInt8WeightConfig())
     wf8 = weight(Float8WeightOnlyConfig())
+    wv8 = weight(Int8DynamicActivationInt8WeightConfig(), n=64)  # the VNNI kernel's N: a multiple of 32
+    avx512 = cpu_ext.chosen_isa() == "avx512"
     dense = torch.randn(48, 64, dtype=torch.bfloat16)
     q = torch.randn(1, 8, 1, 16)
     k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
@@ -91,8 +96,12 @@ def _per_token_op_calls():
                                    cpu.FP8_GEMV_MAX_ROWS)),
             ("dense_linear_io_cpu", (x, dense, bias)),
         ]
+        if avx512:
+            calls.append(("int8dyn_vnni_linear_cpu", (x.reshape(-1, 64), wv8.qdata, wv8.scale,
+                                                      None if bias is None else torch.randn(64, dtype=torch.bfloat16),
+                                                      cpu_int8dyn.INT8DYN_VNNI_GEMV_MAX_ROWS)))
     calls += [("decode_attention_cpu", (q, k, v, None, 0.25)), ("decode_attention_cpu", (q, k, v, mask, 0.25))]
-    assert {name for name, _ in calls} == set(CPP_CPU_OPS)
+    assert {name for name, _ in calls} == set(CPP_CPU_OPS) - (set() if avx512 else set(AVX512_BUILD_OPS))
     return calls
 
 

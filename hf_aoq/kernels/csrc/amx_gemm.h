@@ -475,33 +475,46 @@ inline void amx_block(const uint32_t* a, const uint32_t* w, int64_t k0, int64_t 
   amx_store_sums<kHalf, kWeightRows>(out);
 }
 
-// The same multiply as amx_block's bf16 tiles, on AVX512-BF16's dot products (VDPBF16PS) for a
-// CPU without AMX: C[i][j] (out, 32 x 32 float32, rows of 32) += sum over k-pairs p of A row i's
-// pair p times B lane j's pair p, for A = rows*16 lanes a step (a[s * 512 + i * 16 + p]) and
-// B = 16 k-pairs x 32 lanes a step (b[s * 512 + p * 32 + j]), the layouts amx_block's tiles load.
-// R rows of A and NV vectors of 16 lanes of B at a time in registers over the steps; each A
-// pair is broadcast to all lanes.
-template <int R, int NV>
+// The same multiply as amx_block's tiles, on AVX-512 dot products for a CPU without AMX: C[i][j]
+// (out, 32 x 32 sums, rows of 32) += sum over the 4-byte lanes p of A row i's lane p dotted with
+// B lane j's lane p, for A = rows*16 lanes a step (a[s * 512 + i * 16 + p]) and B = 16 lanes x 32
+// columns a step (b[s * 512 + p * 32 + j]), the layouts amx_block's tiles load. bf16 (kInt8
+// false): lanes of two bf16, float32 sums (VDPBF16PS, AVX512-BF16). int8 (kInt8): lanes of four
+// bytes, int32 sums (VPDPBUSD, AVX-512 VNNI), A's bytes signed and B's unsigned (the caller makes
+// one side unsigned and corrects the sums: int8dyn.cpp). R rows of A and NV vectors of 16 lanes
+// of B at a time in registers over the steps; each A lane is broadcast to all lanes.
+template <int R, int NV, bool kInt8>
 inline void dot_rows(const uint32_t* a, const uint32_t* b, int64_t steps, const float* src, float* dst,
                      AmxPrefetcher* pf) {
-  __m512 c[R][NV];
+  using Acc = std::conditional_t<kInt8, __m512i, __m512>;
+  Acc c[R][NV];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) c[r][v] = src ? _mm512_loadu_ps(src + r * 32 + 16 * v) : _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (kInt8)
+        c[r][v] = src ? _mm512_loadu_si512(src + r * 32 + 16 * v) : _mm512_setzero_si512();
+      else
+        c[r][v] = src ? _mm512_loadu_ps(src + r * 32 + 16 * v) : _mm512_setzero_ps();
+    }
   for (int64_t s = 0; s < steps; ++s) {
     const uint32_t* as = a + s * 512;
     const uint32_t* bs = b + s * 512;
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
-      __m512bh bv[NV];
+      __m512i bv[NV];
 #pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_load_si512(bs + p * 32 + 16 * v);
+      for (int v = 0; v < NV; ++v) bv[v] = _mm512_load_si512(bs + p * 32 + 16 * v);
 #pragma GCC unroll 32
       for (int r = 0; r < R; ++r) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(as[r * 16 + p]));
+        const __m512i x = _mm512_set1_epi32(static_cast<int>(as[r * 16 + p]));
 #pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], x, bv[v]);
+        for (int v = 0; v < NV; ++v) {
+          if constexpr (kInt8)
+            c[r][v] = _mm512_dpbusd_epi32(c[r][v], bv[v], x);
+          else
+            c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)x, (__m512bh)bv[v]);
+        }
       }
     }
     if (pf) pf->step();
@@ -509,28 +522,37 @@ inline void dot_rows(const uint32_t* a, const uint32_t* b, int64_t steps, const 
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(dst + r * 32 + 16 * v, c[r][v]);
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (kInt8)
+        _mm512_storeu_si512(dst + r * 32 + 16 * v, c[r][v]);
+      else
+        _mm512_storeu_ps(dst + r * 32 + 16 * v, c[r][v]);
+    }
 }
 
-// amx_block on AVX512-BF16 (bf16 only): the same arguments, the same sums in c's orientation.
-template <bool kWeightRows, bool kHalf, class Write>
+// amx_block on AVX-512 dot products (bf16: kBytes 2; int8: kBytes 1, x as A only): the same
+// arguments, the same sums in c's orientation.
+template <int kBytes, bool kWeightRows, bool kHalf, class Write>
 inline void dot_block(const uint32_t* x, const uint32_t* w, int64_t k0, int64_t k1, const float* acc, float* out,
                       AmxPrefetcher& pf, int64_t piece, const Write& write) {
+  static_assert(kBytes == 2 || !kWeightRows, "int8 dot products take x as A (signed) and the weight as B");
+  constexpr int64_t lanes_per_k = 4 / kBytes;
   // A: the weight's rows (kWeightRows) or x's; B: the other's k-lanes. Half: only 16 of x's rows.
   constexpr int kRowsA = (kHalf && !kWeightRows) ? 16 : 32;
   constexpr int kNV = (kHalf && kWeightRows) ? 1 : 2;
   for (int64_t kp = k0; kp < k1; kp += piece) {
     const int64_t kq = std::min(k1, kp + piece);
     write(kp, kq);
-    const uint32_t* xs = x + kp / 2 * 32;
-    const uint32_t* ws = w + (kp - k0) / 2 * 32;
+    const uint32_t* xs = x + kp / lanes_per_k * 32;
+    const uint32_t* ws = w + (kp - k0) / lanes_per_k * 32;
     const uint32_t* A = kWeightRows ? ws : xs;
     const uint32_t* B = kWeightRows ? xs : ws;
-    const int64_t steps = (kq - kp) / 32;
+    const int64_t steps = (kq - kp) / (16 * lanes_per_k);
     const float* src = kp == k0 ? acc : out;
     // Groups of rows whose sums fit the registers (22 or 16 of the 32 zmm).
     auto group = [&](auto rows, int64_t r0, AmxPrefetcher* p) {
-      dot_rows<decltype(rows)::value, kNV>(A + r0 * 16, B, steps, src ? src + r0 * 32 : nullptr, out + r0 * 32, p);
+      dot_rows<decltype(rows)::value, kNV, kBytes == 1>(A + r0 * 16, B, steps, src ? src + r0 * 32 : nullptr,
+                                                        out + r0 * 32, p);
     };
     if constexpr (kNV == 1) {
       group(std::integral_constant<int, 16>{}, 0, &pf);
@@ -594,7 +616,7 @@ template <int kBytes, class Panel, class Out, bool kTiles = true>
 void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64_t K, int64_t align,
                       const Panel& write_panel, const Out& out) {
   static_assert(kBytes == 1 || kBytes == 2, "bf16 or int8 values");
-  static_assert(kTiles || kBytes == 2, "AVX512-BF16's dot products take bf16 only");
+  static_assert(kTiles || kBytes == 2 || !Panel::kWeightRows, "int8 dot products take the weight as B");
   constexpr bool rows_panel = Panel::kWeightRows;
   constexpr int64_t lanes_per_k = 4 / kBytes;  // k per 4-byte lane; a step is 16 lanes, 64 bytes
   // x once per call, blocked for the tiles (M x K x kBytes, small beside the weight at prefill).
@@ -664,9 +686,9 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
             const int64_t step_k = writing ? piece : k1 - k0;
             if constexpr (!kTiles) {
               if (rows <= 16)
-                dot_block<rows_panel, true>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
+                dot_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
               else
-                dot_block<rows_panel, false>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
+                dot_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
             } else if (rows <= 16) {
               amx_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
             } else {

@@ -41,6 +41,11 @@ torch::Tensor int8dyn_linear_io_cpu(const torch::Tensor& x, const torch::Tensor&
   return int8dyn_linear_io(x, q, scale, bias, gemv_max_rows.expect_int());
 }
 
+torch::Tensor int8dyn_vnni_linear_cpu(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                                      const OptTensor& bias, c10::SymInt gemv_max_rows) {
+  return int8dyn_vnni_linear(x, q, scale, bias, gemv_max_rows.expect_int());
+}
+
 torch::Tensor fp8_linear_io_cpu(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                                 c10::SymInt shift, const OptTensor& bias, c10::SymInt gemv_max_rows) {
   return fp8_linear_io(x, codes, scale, shift.expect_int(), bias, gemv_max_rows.expect_int());
@@ -68,6 +73,7 @@ bool register_cpu_kernels() {
   m->impl("int4dq_linear_io_cpu", TORCH_FN(int4dq_linear_io_cpu));
   m->impl("int8_linear_io_cpu", TORCH_FN(int8_linear_io_cpu));
   m->impl("int8dyn_linear_io_cpu", TORCH_FN(int8dyn_linear_io_cpu));
+  m->impl("int8dyn_vnni_linear_cpu", TORCH_FN(int8dyn_vnni_linear_cpu));
   m->impl("fp8_linear_io_cpu", TORCH_FN(fp8_linear_io_cpu));
   m->impl("dense_linear_io_cpu", TORCH_FN(dense_linear_io_cpu));
   m->impl("decode_attention_cpu", TORCH_FN(decode_attention_cpu));

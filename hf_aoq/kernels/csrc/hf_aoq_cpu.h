@@ -24,9 +24,13 @@ torch::Tensor int4dq_amx_linear(torch::Tensor x, torch::Tensor packed, torch::Te
                                 torch::Tensor tparams, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles);
 torch::Tensor int8_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                               bool tiles);
-// int8.cpp: int8 weights with dynamic int8 activations on AMX's int8 tiles, x float32, bf16 or
-// fp16 (quantized per row inside, as the reference does); [M, N] in x's dtype.
+// int8dyn.cpp: int8 weights with dynamic int8 activations in exact integer sums, x float32, bf16 or
+// fp16 (quantized per row inside, as the reference does); [M, N] in x's dtype. On AMX's int8 tiles
+// (where amx_available()), or on AVX-512 VNNI's dot products (the avx512 build): a GEMV at up to
+// gemv_max_rows rows, a panel loop above. The same bits from each.
 torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias);
+torch::Tensor int8dyn_vnni_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                                  c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
 torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
                              c10::optional<torch::Tensor> bias, bool tiles);
 torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,

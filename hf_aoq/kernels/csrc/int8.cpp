@@ -5,17 +5,15 @@
 // as the reference does it, multiplied by float32 GEMM (dequant_gemm.h).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
-#include <limits>
-#include <type_traits>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #include "amx_gemm.h"
 #include "dequant_gemm.h"
-#include "float_dtypes.h"
 #include "hf_aoq_cpu.h"
 #include "int16_rows.h"
+#include "int8_weight.h"
 #include "simd.h"
 
 namespace {
@@ -260,23 +258,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   return y;
 }
 
-namespace {
-// An int8 weight as the dequantizing and AMX entries take it: q int8 [N, K] contiguous, its
-// scale ([N] or [N, 1], any float dtype) as contiguous float32 [N].
-struct Int8Weight {
-  const int8_t* q;
-  int64_t N, K;
-  torch::Tensor scale;
-};
-
-Int8Weight check_int8_weight(const torch::Tensor& q, const torch::Tensor& scale) {
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "q: contiguous int8 [N, K]");
-  const auto s = scale.reshape({-1}).to(torch::kFloat32).contiguous();
-  TORCH_CHECK(s.numel() == q.size(0), "scale: one value per row");
-  return Int8Weight{q.data_ptr<int8_t>(), q.size(0), q.size(1), s};
-}
-}  // namespace
-
 // The weight [N, K] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):
 // for aten's GEMM in that dtype at many rows. scale: [N] or [N, 1], any float dtype.
 torch::Tensor int8_dequantize(torch::Tensor q, torch::Tensor scale, torch::ScalarType dtype) {
@@ -293,121 +274,9 @@ struct Int8Lanes {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 };
-
-// Row m of x (float32, bf16 or fp16; K a multiple of 16) as symmetric int8 codes and its scale:
-// int8_per_token.h's rule (common.quantize_int8_per_token's) in AVX-512 lanes, bit for bit. A
-// row with a NaN gets a NaN scale (and so NaN outputs), one with an infinity an infinite one, as
-// there.
-template <typename T>
-inline __m512 int8dyn_load(const T* p) {
-  if constexpr (std::is_same_v<T, float>)
-    return _mm512_loadu_ps(p);
-  else if constexpr (std::is_same_v<T, at::BFloat16>)
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  else
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-template <typename T>
-void int8dyn_quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* codes, float* scales) {
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const T* row = x + m * ldx;
-      __m512 amax = _mm512_setzero_ps();
-      __mmask16 nan = 0;  // max_ps drops a NaN operand; torch's amax (and so the scale) keeps it
-      for (int64_t k = 0; k < K; k += 16) {
-        const __m512 v = int8dyn_load(row + k);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      }
-      const float s = nan ? std::numeric_limits<float>::quiet_NaN()
-                          : std::max(_mm512_reduce_max_ps(amax) / 127.f, 1e-12f);
-      scales[m] = s;
-      const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-      for (int64_t k = 0; k < K; k += 16) {
-        const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(int8dyn_load(row + k), sv),
-                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + m * K + k),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lo), hi))));
-      }
-    }
-  });
-}
-
-// A finished 32 x 32 block of int32 sums ([n][m]) into y's rows m0.. (T: float32, bf16 or fp16):
-// float(sum) * x's row scale * the weight row's scale (+ bias), each a float32 rounding, then
-// one rounding to T.
-template <typename T>
-struct Int8DynOut {
-  const float* xscale;
-  const float* wscale;
-  const float* bias;
-  T* y;
-  int64_t N;
-  void operator()(float* c, bool nm, int64_t n0, int64_t m0, int64_t rows) const {
-    if (nm) amx_transpose_block(c);
-    const __m512 w0 = _mm512_loadu_ps(wscale + n0), w1 = _mm512_loadu_ps(wscale + n0 + 16);
-    const __m512 b0 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-    const __m512 b1 = bias ? _mm512_loadu_ps(bias + n0 + 16) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 sx = _mm512_set1_ps(xscale[m0 + r]);
-      const auto value = [&](int h, __m512 w, __m512 b) {
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(c + r * 32 + 16 * h));
-        return _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(v, sx), w), b);
-      };
-      const __m512 v0 = value(0, w0, b0), v1 = value(1, w1, b1);
-      T* o = y + (m0 + r) * N + n0;
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_storeu_ps(o, v0);
-        _mm512_storeu_ps(o + 16, v1);
-      } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-        _mm512_storeu_si512(o, bf16_pack(v0, v1));
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm512_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT));
-      }
-    }
-  }
-};
 #pragma GCC pop_options
 }  // namespace
 #endif
-
-// x: float32, bfloat16 or float16 [M, K] (rows contiguous); q: int8 [N, K] contiguous, N a
-// multiple of 32 and K of 64; scale: [N] (or [N, 1]), any float dtype. Int8 weights with dynamic
-// int8 activations (Int8Tensor act_quant="per_token") on AMX's int8 tiles: each row of x is
-// quantized as common.quantize_int8_per_token does it (the same codes and scales), the codes
-// multiply the weight's in exact int32 sums (TDPBSSD, at twice the bf16 tiles' rate), and y =
-// sum x row scale x weight row scale (+ bias) in float32, rounded once to x's dtype. The
-// reference rounds each dequantized activation and weight to x's dtype and sums those products in
-// float32; this is nearer the exact product of the codes. Returns [M, N] in x's dtype.
-torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  check_amx_usable();
-  const Int8Weight w = check_int8_weight(q, scale);
-  const int64_t N = w.N, K = w.K;
-  const torch::Tensor& s = w.scale;
-  TORCH_CHECK(N % 32 == 0 && K % 64 == 0, "the int8 AMX kernel takes N a multiple of 32 and K of 64, got ", N, " x ", K);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.stride(1) == 1, "x: [M, ", K, "] with contiguous rows");
-  const auto dt = x.scalar_type();
-  dispatch_float(dt, [](auto) {});  // refuses other dtypes before any work
-  const torch::Tensor b = amx_bias(bias, N);
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
-#if HF_AOQ_AMX
-  std::vector<int8_t> codes(M * K);
-  std::vector<float> xs(M);
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  dispatch_float(dt, [&](auto tag) {
-    using T = decltype(tag);
-    int8dyn_quantize_rows(reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), M, K, codes.data(), xs.data());
-    amx_linear_tiles<1>(reinterpret_cast<const uint8_t*>(codes.data()), K, M, N, K, 64,
-                        Int8RowsPanel{q.data_ptr<int8_t>(), K},
-                        Int8DynOut<T>{xs.data(), s.data_ptr<float>(), bp, reinterpret_cast<T*>(y.data_ptr()), N});
-  });
-#endif
-  return y;
-}
 
 // x: bfloat16 [M, K]; q: int8 [N, K] contiguous, N and K multiples of 32; scale: [N] (or [N, 1]),
 // any float dtype. F.linear in bf16 on AMX tiles (tiles) or AVX512-BF16's dot products
