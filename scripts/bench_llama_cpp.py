@@ -29,9 +29,9 @@ TYPES = ("f16", "Q8_0", "Q4_0", "Q4_K_M")
 # lm_head in bf16: the -head configs quantize it too, which reads about what llama.cpp reads.
 # Q8_0's matrix products quantize the activations to 8 bits as well (blocks of 32), as int8dyn
 # does per token, so int8dyn is paired with it too.
-PAIRS = (("bf16", "f16"), ("int8", "Q8_0"), ("int8-head", "Q8_0"), ("int8dyn", "Q8_0"), ("int4", "Q4_0"), ("int4dq", "Q4_0"),
-         ("int4-head", "Q4_0"), ("int4dq-head", "Q4_0"), ("int4", "Q4_K_M"), ("int4dq", "Q4_K_M"), ("int4-head", "Q4_K_M"),
-         ("int4dq-head", "Q4_K_M"))
+PAIRS = (("bf16", "f16"), ("int8", "Q8_0"), ("int8-head", "Q8_0"), ("int8dyn", "Q8_0"), ("int8dyn-head", "Q8_0"),
+         ("int4", "Q4_0"), ("int4dq", "Q4_0"), ("int4-head", "Q4_0"), ("int4dq-head", "Q4_0"), ("int4", "Q4_K_M"),
+         ("int4dq", "Q4_K_M"), ("int4-head", "Q4_K_M"), ("int4dq-head", "Q4_K_M"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 # Run by the converter's Python when the model has no tokenizer: every text model class writes no
 # vocabulary (TextModel._set_vocab_none) instead of reading one.

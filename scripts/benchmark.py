@@ -60,8 +60,8 @@ TINY_MOE = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 # int8dyn (int8 weights, dynamic per-token int8 activations), fp8 (e4m3 weight-only, per row),
 # fp8dyn (e4m3 weights and dynamic activations, per row).
 # hf_aoq only: int4dq (Int4DQTensor, groups of 32 with 4-bit group parameters: the command line's
-# int4), and int4-head / int4dq-head / int8-head, int4 / int4dq / int8 with lm_head quantized too
-# (int4 g128, Int4DQ g32; a tied lm_head is untied first), since at batch 1 the bf16 lm_head is
+# int4), and int4-head / int4dq-head / int8-head / int8dyn-head, int4 / int4dq / int8 / int8dyn with
+# lm_head quantized too (int4 g128, Int4DQ g32; a tied lm_head is untied first), since at batch 1 the bf16 lm_head is
 # the largest single weight read per token (and llama.cpp's Q4_0 / Q8_0 quantize it:
 # bench_llama_cpp.PAIRS).
 # The rest are hf_aoq.configs.config_for_scheme's names, with its defaults: int2..int6 (IntxTensor,
@@ -85,8 +85,8 @@ for _s in SCHEMES:
         CONFIGS["int4dq"] = ("hf_aoq", "int4dq")
         CONFIGS["int4-head"] = ("hf_aoq", "int4-head")
         CONFIGS["int4dq-head"] = ("hf_aoq", "int4dq-head")
-    if _s == "int8":
-        CONFIGS["int8-head"] = ("hf_aoq", "int8-head")
+    if _s in ("int8", "int8dyn"):
+        CONFIGS[f"{_s}-head"] = ("hf_aoq", f"{_s}-head")
 for _s in NAMED_SCHEMES:
     CONFIGS[_s] = ("hf_aoq", _s)
 for _s in SCHEMES:

@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
 def test_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4dq,int4-head,int4dq-head,int8-head,quanto-int8",
+        [sys.executable, str(SCRIPT), "--tiny", "--layers", "1", "--configs", "bf16,int4,int4dq,int4-head,int4dq-head,int8-head,int8dyn-head,quanto-int8",
          "--no-fidelity", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--bandwidth-mb", "32",
          "--prefill-tokens", "32", "--decode-tokens", "4", "--repeats", "2", "--threads", "1"],
         capture_output=True, text=True, timeout=300,
@@ -32,7 +32,7 @@ def test_benchmark_runs_end_to_end(tmp_path):
     if cpu_ext.available():
         assert any(k.startswith("hf_aoq's load-only probe") for k in probes), probes
     results = report["results"]
-    for name in ("bf16", "int4", "int4dq", "int4-head", "int4dq-head", "int8-head"):
+    for name in ("bf16", "int4", "int4dq", "int4-head", "int4dq-head", "int8-head", "int8dyn-head"):
         r = results[name]
         assert "error" not in r and "reload_error" not in r, r
         for key in ("load_s", "load_peak_rss_mb", "prefill_s", "decode_tps", "save_bytes", "reload_s",
@@ -54,6 +54,10 @@ def test_benchmark_runs_end_to_end(tmp_path):
     assert results["int4"]["model_bytes"] < results["bf16"]["model_bytes"]
     assert results["int4-head"]["model_bytes"] < results["int4"]["model_bytes"]  # lm_head quantized too
     assert any(k.startswith("linear Int8Tensor: ") for k in results["int8-head"]["kernels_decode"])
+    # int8dyn-head: the integer rows where the avx512 build runs, the lm_head among them.
+    if cpu_ext.available() and cpu_ext.chosen_isa() == "avx512":
+        assert any(k.startswith("linear Int8Tensor: cpu_int8dyn_vnni") for k in results["int8dyn-head"]["kernels_decode"])
+        assert any(k.startswith("linear Int8Tensor: cpu_int8dyn_") for k in results["int8dyn-head"]["kernels_prefill"])
     # The lm_head left in bf16 runs hf_aoq's GEMV at the decode step (hf_aoq/dense_linear.py), once a
     # token; quantized with the rest (int4-head), it does not. Each layer's attention runs hf_aoq's
     # decode-step kernel (hf_aoq/decode_attention.py); the bf16 model's, transformers' own.
