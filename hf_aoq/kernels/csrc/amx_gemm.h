@@ -12,7 +12,7 @@
 // at ~1.2 TFLOP/s per core against oneDNN's ~0.8-0.9 on that machine (5632x2048, 256 rows).
 //
 // The same loop multiplies int8 by int8 (AMX-INT8, exact int32 sums; amx_linear_tiles<1>) for int8
-// weights with dynamic int8 activations (int8.cpp), the weight's rows copied into the panel as
+// weights with dynamic int8 activations (int8dyn.cpp), the weight's rows copied into the panel as
 // they are and each block of sums scaled by the caller's writer.
 //
 // Tiles (AMX-BF16): a multiply takes A = 16 rows x 32 k (bf16, row-major) and B = 16 k-pairs x
@@ -40,6 +40,10 @@
 // tile's 64-byte row is one register of 16 column pairs and an A tile's row gives each pair to
 // broadcast. On a 2-core AMD EPYC Zen 4 (no AMX) it ran at dense bf16's time at 256 rows
 // (5632x2048, int4 g128 1.00x, int8 1.01x), against 1.14-1.22x for dequantize + aten's GEMM.
+// It multiplies int8 by int8 too (amx_linear_tiles<1, ..., kTiles = false>: AVX-512 VNNI's
+// VPDPBUSD, unsigned by signed bytes, int32 sums), with x's rows as A (their signed codes
+// broadcast) and the weight as B (int8dyn.cpp's panel of unsigned codes in lanes of four): on the
+// same Zen 4, 256 rows at 0.51-0.55x dense bf16's time.
 //
 // Built in the avx512 binary only (HF_AOQ_AMX), the tile code under a target pragma, and run
 // only where the CPU has AMX and Linux grants this process the tile state (amx_usable(); Python
@@ -601,7 +605,8 @@ inline void amx_write_block(float* c, bool nm, const float* bias, int64_t n0, in
 }
 
 // The tile loop for x [M, K] (rows ldx bytes apart) and a weight [N, K] of kBytes-wide values:
-// bf16 (2: TDPBF16PS, float32 sums) or int8 (1: TDPBSSD, int32 sums), 64 bytes of k a step. The
+// bf16 (2: TDPBF16PS, float32 sums) or int8 (1: TDPBSSD, int32 sums; without tiles VPDPBUSD,
+// the weight as B), 64 bytes of k a step. The
 // weight is written 32 output columns and a chunk of k [k0, k1) at a time by write_panel into a
 // buffer of Panel::Elem: where Panel::kWeightRows, the weight rows n0..n0+31 in steps of 64 bytes
 // (RowScalePanel's layout); else the k-lanes of 4 bytes of columns n0..n0+31 (panel[(p - p0) * 32

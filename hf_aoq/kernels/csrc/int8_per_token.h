@@ -1,7 +1,7 @@
 // Int8Tensor's per-token activation codes, the rule of kernels/common.py quantize_int8_per_token
 // in the same float32 operations: a row's scale s = max(max|x| / 127, 1e-12) (NaN for a row
 // holding a NaN, as torch's amax keeps it), each code round(x / s) (a true division, ties to even)
-// clamped to [-127, 127]. The scalar form for the kernels that quantize a row at a time; int8.cpp
+// clamped to [-127, 127]. The scalar form for the kernels that quantize a row at a time; int8dyn.cpp
 // has the AVX-512 form of the same operations (int8dyn_quantize_rows).
 #pragma once
 #include <algorithm>
