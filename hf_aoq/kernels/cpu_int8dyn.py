@@ -37,6 +37,9 @@ AVX512_VNNI = capability("cpu:avx512_vnni_kernels", "cpu",
 # at 8, 0.29 / 0.29 at 16. (At one row the GEMV reads the weight at 21 GB/s, the tiles' panel
 # writer at 13-15.) Below these rows the VNNI row runs there.
 INT8DYN_MIN_ROWS = 4
+# Input features whose sums of code products surely fit in int32 (127 x 127 x K < 2^31; csrc/int8dyn.cpp
+# kInt8DynMaxK): wider weights run cpu.py's float32 path.
+INT8DYN_MAX_K = 131072
 # The VNNI GEMV against the dot-product loop (2-core AMD EPYC Zen 4, 2 threads, bf16 activations,
 # 12 weights cycled from DRAM, medians of 5 alternated rounds, ms, 5632x2048 / 2048x5632): 16 rows
 # 0.90 / 0.65 against 0.82 / 1.06, 20 rows 1.07 / 0.78 against 1.24 / 1.37, 24 rows 1.13 / 0.88
@@ -62,12 +65,12 @@ def int8dyn_vnni_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tenso
 
 def _int8dyn_fits(x, w) -> bool:
     # Dynamic per-token int8 activations, a scale per weight row, N a multiple of 32 and K of 64
-    # (a 64-byte step, 32 output columns a block); any float activations (quantized inside, from
-    # their own dtype), rows contiguous.
+    # (a 64-byte step, 32 output columns a block) up to INT8DYN_MAX_K; any float activations
+    # (quantized inside, from their own dtype), rows contiguous.
     if w.act_quant != "per_token" or x.dtype not in FLOATS or not (_per_row(w) and w.qdata.is_contiguous()):
         return False
     n, k = w.qdata.shape
-    return n % 32 == 0 and k % 64 == 0 and x.stride(-1) == 1
+    return n % 32 == 0 and k % 64 == 0 and k <= INT8DYN_MAX_K and x.stride(-1) == 1
 
 
 def _int8dyn_tile_rows(x, w) -> bool:

@@ -161,6 +161,20 @@ def test_shapes_it_does_not_take_are_refused_by_name():
         cpu_ext.load().int8dyn_vnni_linear(torch.randn(2, 256, dtype=torch.float64), w.qdata, w.scale, None, 24)
     with pytest.raises(RuntimeError, match=r"x: \[M, 256\] with contiguous rows"):
         cpu_ext.load().int8dyn_vnni_linear(torch.randn(256, 2).t(), w.qdata, w.scale, None, 24)
+    # Wider than int32 sums surely hold: refused, and the table's row does not take it.
+    k = cpu_int8dyn.INT8DYN_MAX_K + 64
+    wide = Int8Tensor(torch.ones(32, k, dtype=torch.int8), torch.ones(32, 1), (1, k), (32, k), torch.float32,
+                      act_quant="per_token")
+    with pytest.raises(RuntimeError, match=f"K up to 131072 .* got {k}"):
+        cpu_ext.load().int8dyn_vnni_linear(torch.randn(1, k), wide.qdata, wide.scale, None, 24)
+    assert select_kernel("linear", torch.randn(1, k), wide).name not in ("cpu_int8dyn_vnni", "cpu_int8dyn_amx")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_no_rows(engine):
+    w = Int8Tensor.from_float(torch.randn(64, 256), act_quant="per_token")
+    y = engine(torch.randn(0, 256, dtype=torch.bfloat16), w, None)
+    assert y.shape == (0, 64) and y.dtype == torch.bfloat16
 
 
 def _table_rows(dtype=torch.bfloat16):

@@ -12,7 +12,8 @@
 // VPDPBUSD multiplies unsigned bytes by signed ones: the weight's codes go in as w + 128 (their
 // top bit flipped) and each sum of row m then holds 128 x (the sum of row m's codes) too, taken
 // off before the epilogue. The int32 arithmetic wraps, so the result is exact whenever the true
-// sum fits in int32 (|sum| <= 127 x 128 x K: K up to 132,000), whatever the partial sums did.
+// sum fits in int32 (|sum| <= 127 x 127 x K: K up to 131072 is taken), whatever the partial sums
+// did.
 // Exact integer sums do not depend on their order, and every engine ends in int8dyn_store32: all
 // three give the same bits, and a row's bits do not depend on the other rows
 // (tests/kernels/test_cpu_int8dyn.py). The reference rounds the dequantized activations and weight
@@ -231,8 +232,12 @@ void int8dyn_gemv(const int8_t* codes, const float* xs, const int32_t* fix, cons
 
 namespace {
 
+// The most columns whose sums of code products are sure to fit in int32 (127 x 127 x K < 2^31),
+// a power of two (kernels/cpu_int8dyn.py INT8DYN_MAX_K).
+constexpr int64_t kInt8DynMaxK = 131072;
+
 // x: float32, bfloat16 or float16 [M, K] (rows contiguous); q: int8 [N, K] contiguous, N a
-// multiple of 32 and K of 64; scale: [N] (or [N, 1]), any float dtype. The sums on AMX's tiles
+// multiple of 32, K of 64 and at most kInt8DynMaxK; scale: [N] (or [N, 1]), any float dtype. The sums on AMX's tiles
 // (tiles), else on VPDPBUSD: the GEMV at up to gemv_max_rows rows, the dot-product loop above.
 // Returns [M, N] in x's dtype.
 torch::Tensor int8dyn_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
@@ -241,6 +246,8 @@ torch::Tensor int8dyn_linear(const torch::Tensor& x, const torch::Tensor& q, con
   const int64_t N = w.N, K = w.K;
   TORCH_CHECK(N % 32 == 0 && K % 64 == 0, "the int8 x int8 kernels take N a multiple of 32 and K of 64, got ", N,
               " x ", K);
+  TORCH_CHECK(K <= kInt8DynMaxK, "the int8 x int8 kernels take K up to ", kInt8DynMaxK,
+              " (127 x 127 x K within int32), got ", K);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.stride(1) == 1, "x: [M, ", K, "] with contiguous rows");
   const auto dt = x.scalar_type();
   dispatch_float(dt, [](auto) {});  // refuses other dtypes before any work
