@@ -37,8 +37,8 @@ AVX512_VNNI = capability("cpu:avx512_vnni_kernels", "cpu",
 # at 8, 0.29 / 0.29 at 16. (At one row the GEMV reads the weight at 21 GB/s, the tiles' panel
 # writer at 13-15.) Below these rows the VNNI row runs there.
 INT8DYN_MIN_ROWS = 4
-# Input features whose sums of code products surely fit in int32 (127 x 127 x K < 2^31; csrc/int8dyn.cpp
-# kInt8DynMaxK): wider weights run cpu.py's float32 path.
+# Input features whose sums of code products surely fit in int32 (127 x 127 x K < 2^31;
+# csrc/int8dyn.cpp kInt8DynMaxK): wider weights run cpu.py's float32 path.
 INT8DYN_MAX_K = 131072
 # The VNNI GEMV against the dot-product loop (2-core AMD EPYC Zen 4, 2 threads, bf16 activations,
 # 12 weights cycled from DRAM, medians of 5 alternated rounds, ms, 5632x2048 / 2048x5632): 16 rows

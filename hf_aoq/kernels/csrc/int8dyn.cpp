@@ -181,9 +181,9 @@ inline void int8dyn_gemv_tile(const int8_t* c, const int32_t* fix, const int8_t*
                                           static_cast<uint32_t>(fix[i]));
 }
 
-// The exact sums [M, N] of the codes [M, K] against q [N, K] (N a multiple of 8, K of 64): blocks of weight
-// rows over the threads, 8 rows at one code row, else 4 rows by up to 4 code rows at a time (the
-// block's rows, 4 x K bytes, stay in L1 while each group of code rows passes).
+// The exact sums [M, N] of the codes [M, K] against q [N, K] (N a multiple of 8, K of 64): blocks
+// of weight rows over the threads, 8 rows at one code row, else 4 rows by up to 4 code rows at a
+// time (the block's rows, 4 x K bytes, stay in L1 while each group of code rows passes).
 void int8dyn_gemv_sums(const int8_t* codes, const int32_t* fix, const int8_t* q, int64_t M, int64_t N, int64_t K,
                        int32_t* sums) {
   const int64_t rows = M == 1 ? 8 : 4;
@@ -237,9 +237,9 @@ namespace {
 constexpr int64_t kInt8DynMaxK = 131072;
 
 // x: float32, bfloat16 or float16 [M, K] (rows contiguous); q: int8 [N, K] contiguous, N a
-// multiple of 32, K of 64 and at most kInt8DynMaxK; scale: [N] (or [N, 1]), any float dtype. The sums on AMX's tiles
-// (tiles), else on VPDPBUSD: the GEMV at up to gemv_max_rows rows, the dot-product loop above.
-// Returns [M, N] in x's dtype.
+// multiple of 32, K of 64 and at most kInt8DynMaxK; scale: [N] (or [N, 1]), any float dtype. The
+// sums on AMX's tiles (tiles), else on VPDPBUSD: the GEMV at up to gemv_max_rows rows, the
+// dot-product loop above. Returns [M, N] in x's dtype.
 torch::Tensor int8dyn_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
                              const c10::optional<torch::Tensor>& bias, bool tiles, int64_t gemv_max_rows) {
   const Int8Weight w = check_int8_weight(q, scale);
@@ -282,7 +282,8 @@ torch::Tensor int8dyn_linear(const torch::Tensor& x, const torch::Tensor& q, con
 }  // namespace
 
 // The AMX tiles' entry (kernels/cpu_int8dyn.py's cpu_int8dyn_amx row): int8dyn_linear above.
-torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+torch::Tensor int8dyn_amx_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                                 c10::optional<torch::Tensor> bias) {
   check_amx_usable();
   return int8dyn_linear(x, q, scale, bias, /*tiles=*/true, 0);
 }
