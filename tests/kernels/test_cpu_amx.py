@@ -105,7 +105,7 @@ def _within_fp32_accumulation(y: torch.Tensor, x: torch.Tensor, w_bf16: torch.Te
 
 
 @pytest.mark.parametrize("tiles", ENGINES)
-@pytest.mark.parametrize("rows", [1, 16, 33, 64, 257])
+@pytest.mark.parametrize("rows", [1, 8, 12, 16, 20, 28, 33, 64, 257])
 def test_outputs_agree_with_the_reference_kernel(rows, tiles):
     torch.manual_seed(rows)
     for name, (fmt, w) in _weights(96, 384, seed=rows).items():
@@ -139,9 +139,28 @@ def test_chunks_of_rows_and_of_k(tiles):
     x = torch.randn(12, 49152, dtype=torch.bfloat16)
     for fmt, q in (("int8", Int8Tensor.from_float(w)), ("int4", Int4Tensor.from_float(w.bfloat16(), 128).place())):
         _within_fp32_accumulation(_run(fmt, x, q, tiles=tiles), x, q.dequantize(torch.bfloat16), None)
+    # 20 rows (x's rows multiplied in groups of 8, 8 and 4 on the dot products, amx_gemm.h
+    # dot_block) with k in chunks: 20 x 32768 is 1.3 MB of activations.
+    w = torch.randn(32, 32768) * 0.05
+    x = torch.randn(20, 32768, dtype=torch.bfloat16)
+    for fmt, q in (("int4", Int4Tensor.from_float(w.bfloat16(), 128).place()), ("int4dq", Int4DQTensor.from_float(w, 32).place())):
+        _within_fp32_accumulation(_run(fmt, x, q, tiles=tiles), x, q.dequantize(torch.bfloat16), None)
     padded = Int4Tensor.from_float(torch.randn(64, 320, dtype=torch.bfloat16), 128).place()  # K padded to 384
     x = torch.randn(40, 320, dtype=torch.bfloat16)
     _within_fp32_accumulation(_run("int4", x, padded, tiles=tiles), x, padded.dequantize(torch.bfloat16), None)
+
+
+@pytest.mark.parametrize("tiles", ENGINES)
+def test_a_rows_value_does_not_depend_on_the_rows_beside_it(tiles):
+    # Every row's sums are its own (the tiles multiply a whole block, padding included; the dot
+    # products only the rows that are there, in groups of 4 to 11), so each row of a call is the
+    # same bits as in a call of 32 rows, whatever the row count and the engine.
+    torch.manual_seed(5)
+    x = torch.randn(32, 384, dtype=torch.bfloat16)
+    for name, (fmt, w) in _weights(96, 384, seed=5).items():
+        whole = _run(fmt, x, w, tiles=tiles)
+        for rows in (1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 24, 25, 28, 29):
+            assert torch.equal(_run(fmt, x[:rows], w, tiles=tiles), whole[:rows]), (name, rows)
 
 
 @pytest.mark.parametrize("tiles", ENGINES)

@@ -535,10 +535,15 @@ inline void dot_rows(const uint32_t* a, const uint32_t* b, int64_t steps, const 
 }
 
 // amx_block on AVX-512 dot products (bf16: kBytes 2; int8: kBytes 1, x as A only): the same
-// arguments, the same sums in c's orientation.
+// arguments, the same sums in c's orientation, and `rows`, the block's activation rows that are
+// not padding. Where x is A only those rows are multiplied, rounded up to 4 (up to 12 rows of a
+// half block and 28 of a full one; above, all 16 or 32): their sums are all that is read of c (a
+// tile multiplies all 16 or 32, padding included), so 20 rows cost 20 rows' dot products rather
+// than 32's, and 8 rows 8 rather than 16. Where x is B, 16 of its rows share each vector, as in a
+// tile. Each row's sums are the same bits either way.
 template <int kBytes, bool kWeightRows, bool kHalf, class Write>
 inline void dot_block(const uint32_t* x, const uint32_t* w, int64_t k0, int64_t k1, const float* acc, float* out,
-                      AmxPrefetcher& pf, int64_t piece, const Write& write) {
+                      AmxPrefetcher& pf, int64_t piece, const Write& write, int64_t rows) {
   static_assert(kBytes == 2 || !kWeightRows, "int8 dot products take x as A (signed) and the weight as B");
   constexpr int64_t lanes_per_k = 4 / kBytes;
   // A: the weight's rows (kWeightRows) or x's; B: the other's k-lanes. Half: only 16 of x's rows.
@@ -554,20 +559,28 @@ inline void dot_block(const uint32_t* x, const uint32_t* w, int64_t k0, int64_t 
     const int64_t steps = (kq - kp) / (16 * lanes_per_k);
     const float* src = kp == k0 ? acc : out;
     // Groups of rows whose sums fit the registers (22 or 16 of the 32 zmm).
-    auto group = [&](auto rows, int64_t r0, AmxPrefetcher* p) {
-      dot_rows<decltype(rows)::value, kNV, kBytes == 1>(A + r0 * 16, B, steps, src ? src + r0 * 32 : nullptr,
-                                                        out + r0 * 32, p);
+    auto group = [&](auto n, int64_t r0, AmxPrefetcher* p) {
+      dot_rows<decltype(n)::value, kNV, kBytes == 1>(A + r0 * 16, B, steps, src ? src + r0 * 32 : nullptr,
+                                                     out + r0 * 32, p);
     };
-    if constexpr (kNV == 1) {
+    if constexpr (kNV == 1) {  // A: the weight's 32 rows, B: 16 of x's
       group(std::integral_constant<int, 16>{}, 0, &pf);
       group(std::integral_constant<int, 16>{}, 16, nullptr);
-    } else if constexpr (kRowsA == 16) {
+    } else if (kRowsA == 16 && rows > 12) {  // A: 13-16 of x's rows
       group(std::integral_constant<int, 8>{}, 0, &pf);
       group(std::integral_constant<int, 8>{}, 8, nullptr);
-    } else {
+    } else if (kWeightRows || rows > 28) {  // A: the weight's 32 rows, or 29-32 of x's
       group(std::integral_constant<int, 11>{}, 0, &pf);
       group(std::integral_constant<int, 11>{}, 11, nullptr);
       group(std::integral_constant<int, 10>{}, 22, nullptr);
+    } else {  // A: x's rows, in groups of 8 and a last one of 4 where that covers them
+      for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+        AmxPrefetcher* p = r0 == 0 ? &pf : nullptr;
+        if (rows - r0 > 4)
+          group(std::integral_constant<int, 8>{}, r0, p);
+        else
+          group(std::integral_constant<int, 4>{}, r0, p);
+      }
     }
   }
 }
@@ -691,9 +704,9 @@ void amx_linear_tiles(const uint8_t* x, int64_t ldx, int64_t M, int64_t N, int64
             const int64_t step_k = writing ? piece : k1 - k0;
             if constexpr (!kTiles) {
               if (rows <= 16)
-                dot_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
+                dot_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, step_k, write_piece, rows);
               else
-                dot_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
+                dot_block<kBytes, rows_panel, false>(a, w, k0, k1, from, dst, pf, step_k, write_piece, rows);
             } else if (rows <= 16) {
               amx_block<kBytes, rows_panel, true>(a, w, k0, k1, from, dst, pf, step_k, write_piece);
             } else {
