@@ -85,16 +85,21 @@ MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 7, "intxdq": 
 # int8 0.95 / 1.38 at 16, 0.87 / 0.96 at 24, 0.77 / 0.67 at 32; float8 0.69 / 1.22 at 8, 0.47 / 0.78
 # at 16; Intx (int3 g32 asymmetric) 0.83 / 1.12 at 8, 0.40 / 0.58 at 16; IntxDQ (int3 g32) 0.80 /
 # 0.95 at 8, 0.44 / 0.47 at 16. Where the weight is A (int8, float8, Intx, IntxDQ) a block
-# multiplies 16 activation rows at 1-16 rows and 32 at 17-32, whatever the rows; where x is A (int4,
+# multiplies 16 activation rows at 9-16 rows and 32 at 17-32 (8 at 1-8, below); where x is A (int4,
 # Int4DQ) only the rows there are, rounded up to 4 (amx_gemm.h dot_block; 1.3-1.5x faster than
 # whole blocks at 8 and 20 rows, the same at 16 and 32), and measured again after that change the
 # same way (five rounds): Int4DQ 1.01 / 1.05 at 12, 0.83 / 0.95 at 16, 0.78 / 0.86 at 20, so from 16
 # rows now (24 before); int4 g128 1.12 / 1.19 at 24, 1.08 / 1.16 at 32, 1.02 / 0.90 at 40, still 40.
+# Where the weight is A, a block of at most 8 rows now multiplies 8 (256-bit dot products, the
+# same bits; float8's panel 1.27-1.31x as fast at 2-8 rows), and measured again: float8 0.72 / 0.84
+# at 7 rows, 0.71 / 0.74 at 8, 1.19 / 1.27 at 6, so from 7 (12 before); Intx 0.81 / 1.15 at 5,
+# 0.74 / 0.84 at 6, 0.76 / 0.70 at 8, so from 6 (12 before); IntxDQ 0.61 / 1.03 at 8, 0.95 / 1.03 at
+# 6, still 8.
 # Above these rows they also beat dequantize + aten's bf16 GEMM (cpu_gemm.py; below them in the
 # table): at 48 rows int8 0.61 / 0.73 and float8 0.52 / 0.62 of its time; at 256 rows, as a
 # multiple of dense bf16 F.linear's time, int4 1.00 / 1.02 against 1.22 / 1.17, Int4DQ 0.99 / 1.00
 # against 1.22 / 1.21, int8 1.01 / 1.02 against 1.14 / 1.09, float8 1.02 / 1.01 against 1.14 / 1.14.
-MIN_ROWS_AVX512_BF16 = {"int4": 40, "int4dq": 16, "int8": 24, "fp8": 12, "intx": 12, "intxdq": 8}
+MIN_ROWS_AVX512_BF16 = {"int4": 40, "int4dq": 16, "int8": 24, "fp8": 7, "intx": 6, "intxdq": 8}
 
 
 def _out(x, qdata, *rest):
