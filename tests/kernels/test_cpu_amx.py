@@ -143,7 +143,8 @@ def test_chunks_of_rows_and_of_k(tiles):
     # dot_block) with k in chunks: 20 x 32768 is 1.3 MB of activations.
     w = torch.randn(32, 32768) * 0.05
     x = torch.randn(20, 32768, dtype=torch.bfloat16)
-    for fmt, q in (("int4", Int4Tensor.from_float(w.bfloat16(), 128).place()), ("int4dq", Int4DQTensor.from_float(w, 32).place())):
+    for fmt, q in (("int4", Int4Tensor.from_float(w.bfloat16(), 128).place()),
+                   ("int4dq", Int4DQTensor.from_float(w, 32).place())):
         _within_fp32_accumulation(_run(fmt, x, q, tiles=tiles), x, q.dequantize(torch.bfloat16), None)
     padded = Int4Tensor.from_float(torch.randn(64, 320, dtype=torch.bfloat16), 128).place()  # K padded to 384
     x = torch.randn(40, 320, dtype=torch.bfloat16)
@@ -153,8 +154,9 @@ def test_chunks_of_rows_and_of_k(tiles):
 @pytest.mark.parametrize("tiles", ENGINES)
 def test_a_rows_value_does_not_depend_on_the_rows_beside_it(tiles):
     # Every row's sums are its own (the tiles multiply a whole block, padding included; the dot
-    # products only the rows that are there, in groups of 4 to 11), so each row of a call is the
-    # same bits as in a call of 32 rows, whatever the row count and the engine.
+    # products only the rows there are where x is A, in groups of 4 to 11, and 8 lanes of 16 where
+    # x is B and has at most 8), so each row of a call is the same bits as in a call of 32 rows,
+    # whatever the row count and the engine.
     torch.manual_seed(5)
     x = torch.randn(32, 384, dtype=torch.bfloat16)
     for name, (fmt, w) in _weights(96, 384, seed=5).items():
