@@ -469,6 +469,8 @@ def int4dq_ext_linear(x, w, bias):
 from . import cpu_gemm  # noqa: E402,F401
 # Many rows with bf16 activations on AMX tiles, the weight dequantized panel by panel (csrc/amx_gemm.h).
 from . import cpu_amx  # noqa: E402,F401
+# Float8 weights at few bf16 rows on AVX512-BF16's dot products, the codes exact in bf16 (csrc/fp8.cpp).
+from . import cpu_fp8_dot  # noqa: E402,F401
 # Int8 weights with dynamic int8 activations in exact integer sums: AMX tiles, AVX-512 VNNI (csrc/int8dyn.cpp).
 from . import cpu_int8dyn  # noqa: E402,F401
 # MXFP4 weight-only at few rows (csrc/mx.cpp).

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor, IntxDQTensor, IntxTensor
-from hf_aoq.kernels import cpu_amx, cpu_ext, cpu_isa, registry, select_kernel
+from hf_aoq.kernels import cpu_amx, cpu_ext, cpu_fp8_dot, cpu_isa, registry, select_kernel
 from hf_aoq.kernels.reference import reference_linear
 from hf_aoq.tensors.float8 import PerTensor
 
@@ -198,10 +198,14 @@ def test_scratch_kept_between_calls_leaks_nothing(tiles):
 @needs_table_engine
 def test_the_table_takes_the_panel_rows_where_they_apply(monkeypatch):
     weights = _weights(64, 256)
+    first = dict(MIN_ROWS)
+    dot_fp8 = next(k for k in registry.kernels_for("linear", "Float8Tensor") if k.name == "cpu_fp8_dpbf16")
+    if registry.capable(dot_fp8.needs, torch.device("cpu")):  # float8's few-row dot products first
+        first["fp8"] = max(first["fp8"], cpu_fp8_dot.FP8_DPBF16_MAX_ROWS + 1)
     for name, (fmt, w) in weights.items():
         if name == "int8 dynamic" and DOT:
             continue  # the integer rows of the avx512 build, above these: test_cpu_int8dyn.py
-        rows = MIN_ROWS[fmt]
+        rows = first[fmt]
 
         def chosen(m, dtype=torch.bfloat16, w=w):
             return select_kernel("linear", torch.randn(2, m, 256, dtype=dtype), w).name

@@ -187,11 +187,13 @@ OUTPUTS = """
 import json, sys, torch, torch.nn.functional as F
 from safetensors.torch import save_file
 from hf_aoq import Float8Tensor, Int4DQTensor, Int4Tensor, Int8Tensor
-from hf_aoq.kernels import cpu_amx, cpu_attention, cpu_dense, cpu_ext, select_kernel
-# The panel GEMM's AVX512-BF16 rows exist in the AVX-512 build only (tests/kernels/test_cpu_amx.py
-# compares them with the reference): held off, so that both builds run the same rows.
+from hf_aoq.kernels import cpu_amx, cpu_attention, cpu_dense, cpu_ext, cpu_fp8_dot, select_kernel
+# The panel GEMM's AVX512-BF16 rows and float8's dot-product row exist in the AVX-512 build only
+# (tests/kernels/test_cpu_amx.py and test_cpu_fp8_dot.py compare them with the reference): held
+# off, so that both builds run the same rows.
 for fmt in cpu_amx.MIN_ROWS_AVX512_BF16:
     cpu_amx.MIN_ROWS_AVX512_BF16[fmt] = 1 << 30
+cpu_fp8_dot.FP8_DPBF16_MAX_ROWS = 0
 torch.manual_seed(0)
 w = torch.randn(96, 384) * 0.05
 weights = {"int4": Int4Tensor.from_float(w.bfloat16(), 128).place(), "int4dq": Int4DQTensor.from_float(w, 32).place(),

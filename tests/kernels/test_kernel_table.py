@@ -60,6 +60,7 @@ TABLE = [
     ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_gemv"),
     ("linear", "Float8SemiSparseTensor", "canonical", "cpu_fp8_sparse_dequant_gemm"),
     ("linear", "Float8SemiSparseTensor", "canonical", "reference"),
+    ("linear", "Float8Tensor", "canonical", "cpu_fp8_dpbf16"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_amx"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_avx512bf16"),
     ("linear", "Float8Tensor", "canonical", "cpu_fp8_bf16_gemm"),
@@ -166,6 +167,10 @@ def test_cpu_picks_fast_kernels():
     int4 = "cpu_int4_ext" if cpu_ext.available() else "cpu_int4pack_mm"
     int8 = "cpu_int8_ext" if cpu_ext.available() else "cpu_int8pack_mm"
     fp8 = "cpu_fp8_gemv" if cpu_ext.available() else "reference"
+    # bf16 float8 at 2+ rows: the dot-product row where AVX512-BF16 runs without AMX (and VBMI is).
+    dot = next(k for k in kernels.kernels_for("linear", "Float8Tensor") if k.name == "cpu_fp8_dpbf16")
+    if kernels.capable(dot.needs, torch.device("cpu")):
+        fp8 = "cpu_fp8_dpbf16"
     # int8 dynamic: the integer GEMV where the avx512 build runs (below the AMX tiles' rows).
     int8dyn = "cpu_int8dyn_vnni" if cpu_ext.available() and cpu_ext.chosen_isa() == "avx512" else int8
     picks = {
@@ -346,6 +351,7 @@ def test_compiled_graphs_run_the_kernel_eager_mode_runs(config):
                          "hf_aoq.int8_linear_io_cpu.default"],
         "cpu_int8pack_mm": ["hf_aoq.int8pack_mm_cpu.default"],
         "cpu_fp8_gemv": ["hf_aoq.fp8_linear_io_cpu.default"],
+        "cpu_fp8_dpbf16": ["hf_aoq.fp8_dpbf16_linear_cpu.default"],
         "cpu_int4dq_ext": ["hf_aoq.int4dq_linear_io_cpu.default"],
         "cpu_intx_ext": ["hf_aoq.intx_linear_io_cpu.default"],
         "cpu_intxdq_ext": ["hf_aoq.intxdq_linear_io_cpu.default"],

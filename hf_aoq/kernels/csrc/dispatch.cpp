@@ -51,6 +51,11 @@ torch::Tensor fp8_linear_io_cpu(const torch::Tensor& x, const torch::Tensor& cod
   return fp8_linear_io(x, codes, scale, shift.expect_int(), bias, gemv_max_rows.expect_int());
 }
 
+torch::Tensor fp8_dpbf16_linear_cpu(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                                    c10::SymInt shift, const OptTensor& bias) {
+  return fp8_dpbf16_linear(x, codes, scale, shift.expect_int(), bias);
+}
+
 torch::Tensor dense_linear_io_cpu(const torch::Tensor& x, const torch::Tensor& weight, const OptTensor& bias) {
   return dense_linear_io(x, weight, bias);
 }
@@ -75,6 +80,7 @@ bool register_cpu_kernels() {
   m->impl("int8dyn_linear_io_cpu", TORCH_FN(int8dyn_linear_io_cpu));
   m->impl("int8dyn_vnni_linear_cpu", TORCH_FN(int8dyn_vnni_linear_cpu));
   m->impl("fp8_linear_io_cpu", TORCH_FN(fp8_linear_io_cpu));
+  m->impl("fp8_dpbf16_linear_cpu", TORCH_FN(fp8_dpbf16_linear_cpu));
   m->impl("dense_linear_io_cpu", TORCH_FN(dense_linear_io_cpu));
   m->impl("decode_attention_cpu", TORCH_FN(decode_attention_cpu));
   registered = std::move(m);

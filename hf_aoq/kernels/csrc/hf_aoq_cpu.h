@@ -33,6 +33,10 @@ torch::Tensor int8dyn_vnni_linear(torch::Tensor x, torch::Tensor q, torch::Tenso
                                   c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
 torch::Tensor fp8_amx_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
                              c10::optional<torch::Tensor> bias, bool tiles);
+// Float8 weight x bf16 x at few rows on AVX512-BF16's dot products (the avx512 build): the codes as
+// their exact bf16 values, the row's scale on the float32 sum; bfloat16 [M, N].
+torch::Tensor fp8_dpbf16_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, int64_t shift,
+                                c10::optional<torch::Tensor> bias);
 torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                               int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles);
 torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
