@@ -34,7 +34,8 @@ FUNCTIONS = [
     "fp8_sparse_linear_io", "fp8_sparse_dequantize",
     "nvfp4_quantize_rows", "nvfp4_fake_quantize", "nvfp4_dequantize",
     "int4pack_amx_linear", "int4dq_amx_linear", "int8_amx_linear", "int8dyn_amx_linear", "int8dyn_vnni_linear",
-    "fp8_amx_linear", "fp8_dpbf16_linear", "intx_amx_linear", "intxdq_amx_linear", "amx_available", "read_xor", "bf16_linear", "dense_linear_io",
+    "fp8_amx_linear", "fp8_dpbf16_linear", "intx_amx_linear", "intxdq_amx_linear", "amx_available", "read_xor",
+    "bf16_linear", "dense_linear_io",
     "decode_attention", "register_cpu_kernels",
 ]
 # No contraction of a separate multiply and add into an FMA: the dequantizing kernels must round

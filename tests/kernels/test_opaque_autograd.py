@@ -58,17 +58,20 @@ def test_opcheck_the_cpu_ops_schema_fake_and_autograd_registration():
 # The ops whose CPU kernel csrc/dispatch.cpp registers with the dispatcher: a compiled graph calls
 # them without going through Python.
 CPP_CPU_OPS = ("int4_linear_io_cpu", "int4dq_linear_io_cpu", "int8_linear_io_cpu",
-               "int8dyn_linear_io_cpu", "int8dyn_vnni_linear_cpu", "fp8_linear_io_cpu", "dense_linear_io_cpu",
-               "decode_attention_cpu")
-# The ones whose kernel runs only in the extension's avx512 build.
-AVX512_BUILD_OPS = ("int8dyn_vnni_linear_cpu",)
+               "int8dyn_linear_io_cpu", "int8dyn_vnni_linear_cpu", "fp8_linear_io_cpu", "fp8_dpbf16_linear_cpu",
+               "dense_linear_io_cpu", "decode_attention_cpu")
+# The ones whose kernel runs only in the extension's avx512 build, and of those the ones that need
+# AVX512-VBMI too.
+AVX512_BUILD_OPS = ("int8dyn_vnni_linear_cpu", "fp8_dpbf16_linear_cpu")
+VBMI_OPS = ("fp8_dpbf16_linear_cpu",)
 
 
 def _per_token_op_calls():
     """(op, args) of each op in CPP_CPU_OPS that this build runs: a small call with a bias and one
     without, at the rows of a decode step and a few more."""
     from hf_aoq import Float8WeightOnlyConfig, Int4DQWeightOnlyConfig, Int8DynamicActivationInt8WeightConfig
-    from hf_aoq.kernels import cpu, cpu_attention, cpu_dense, cpu_int8dyn  # noqa: F401 - defines the ops
+    from hf_aoq.kernels import cpu, cpu_attention, cpu_dense, cpu_fp8_dot, cpu_int8dyn  # noqa: F401 - defines the ops
+    from hf_aoq.kernels.build_cache import cpu_features
 
     def weight(config, n=48, k=64):
         return quantize_(torch.nn.Linear(k, n), config).weight
@@ -80,6 +83,8 @@ def _per_token_op_calls():
     wf8 = weight(Float8WeightOnlyConfig())
     wv8 = weight(Int8DynamicActivationInt8WeightConfig(), n=64)  # the VNNI kernel's N: a multiple of 32
     avx512 = cpu_ext.chosen_isa() == "avx512"
+    vbmi = avx512 and "avx512vbmi" in cpu_features()
+    f8_codes, f8_scale = wf8.qdata.view(torch.uint8), wf8.scale.reshape(-1).float().contiguous()
     dense = torch.randn(48, 64, dtype=torch.bfloat16)
     q = torch.randn(1, 8, 1, 16)
     k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
@@ -100,8 +105,12 @@ def _per_token_op_calls():
             calls.append(("int8dyn_vnni_linear_cpu", (x.reshape(-1, 64), wv8.qdata, wv8.scale,
                                                       None if bias is None else torch.randn(64, dtype=torch.bfloat16),
                                                       cpu_int8dyn.INT8DYN_VNNI_GEMV_MAX_ROWS)))
+        if vbmi:
+            calls.append(("fp8_dpbf16_linear_cpu", (x.reshape(-1, 64), f8_codes, f8_scale,
+                                                    cpu._FP8_SHIFT[wf8.qdata.dtype], bias)))
     calls += [("decode_attention_cpu", (q, k, v, None, 0.25)), ("decode_attention_cpu", (q, k, v, mask, 0.25))]
-    assert {name for name, _ in calls} == set(CPP_CPU_OPS) - (set() if avx512 else set(AVX512_BUILD_OPS))
+    absent = (set() if avx512 else set(AVX512_BUILD_OPS)) | (set() if vbmi else set(VBMI_OPS))
+    assert {name for name, _ in calls} == set(CPP_CPU_OPS) - absent
     return calls
 
 
