@@ -4,10 +4,10 @@
 // with x's bf16 values, 32 products an instruction (twice a float32 FMA's), summed in float32; the
 // row's scale multiplies each sum, which is rounded once to bf16. Float8's few-row kernel
 // (fp8.cpp), between its float32 GEMV and the panel GEMM (amx_gemm.h), whose writer rounds code x
-// scale to bf16 per call. (Int8 codes, tried with an |c| table: no faster than int8.cpp's GEMV on
-// int16 activation codes at 4-8 rows, 0.91-0.94x its time at 16-28, so not taken.) Built in the
-// avx512 binary (HF_AOQ_AMX), the byte permutes under a target pragma; the entry points check the
-// CPU for VBMI. Internal linkage, as in every header here.
+// scale to bf16 per call. (Int8 codes, tried with an |c| table: as fast as int8.cpp's GEMV on
+// int16 activation codes at 1-2 rows, slower at 4-8, 0.90-0.94x its time at 16-28; not taken.)
+// Built in the avx512 binary (HF_AOQ_AMX), the byte permutes under a target pragma; the entry
+// points check the CPU for VBMI. Internal linkage, as in every header here.
 #pragma once
 #include <torch/types.h>
 #include <ATen/Parallel.h>
