@@ -137,3 +137,16 @@ def test_the_table_takes_it_for_few_bf16_rows():
         assert select_kernel("linear", torch.randn(2, 256, dtype=dtype), w).name != "cpu_fp8_dpbf16"
     assert registry.capable(next(k for k in registry.kernels_for("linear", "Float8Tensor")
                                  if k.name == "cpu_fp8_dpbf16").needs, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not TABLE, reason=f"the table does not take the row here {_HERE}")
+def test_f_linear_runs_it_eagerly_and_compiled():
+    torch.manual_seed(5)
+    w = Float8Tensor.from_float(torch.randn(96, 256) * 0.05)
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    x = torch.randn(2, 4, 256, dtype=torch.bfloat16)
+    assert select_kernel("linear", x, w).name == "cpu_fp8_dpbf16"
+    eager = torch.nn.functional.linear(x, w, bias)
+    assert torch.equal(eager, _call(x, w, bias))
+    compiled = torch.compile(lambda x: torch.nn.functional.linear(x, w, bias), fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
