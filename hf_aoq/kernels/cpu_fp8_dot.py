@@ -19,10 +19,10 @@ from typing import Optional
 import torch
 
 from . import cpu_ext
+from .build_cache import cpu_features
 from .common import rows as _rows
 from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features
 from .cpu_amx import AVX512_BF16, _apply, _out
-from .build_cache import cpu_features
 from .registry import capability, opaque_op, register_kernel
 
 # The byte permutes of the code-to-bf16 lookup (VPERMI2B); the avx512 build itself does not need it.
@@ -45,8 +45,7 @@ def fp8_dpbf16_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 def _applies(x, w) -> bool:
     return (x.dtype == torch.bfloat16 and FP8_DPBF16_MIN_ROWS <= _rows(x) <= FP8_DPBF16_MAX_ROWS
-            and w.qdata.dtype in _FP8_SHIFT
-            and _float8_cpu_applies(x, w))
+            and w.qdata.dtype in _FP8_SHIFT and _float8_cpu_applies(x, w))
 
 
 @register_kernel("linear", "Float8Tensor", "cpu_fp8_dpbf16", backend="cpu", priority=26, device="cpu",
@@ -54,7 +53,7 @@ def _applies(x, w) -> bool:
 def fp8_dpbf16(x, w, bias):
     """Float8 weight-only (or dynamic, the input fake-quantized first) at few bf16 rows: the codes
     exact in bf16, VDPBF16PS sums, the row's scale on each sum."""
-    x = w.simulate_input_quantization(x)
+    x = w.simulate_input_quantization(x).contiguous()  # the kernel reads x's rows in place
     codes = w.qdata
     scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
     return _apply(x, _in_features(w), fp8_dpbf16_linear, codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype],

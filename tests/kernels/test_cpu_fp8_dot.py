@@ -150,3 +150,6 @@ def test_f_linear_runs_it_eagerly_and_compiled():
     assert torch.equal(eager, _call(x, w, bias))
     compiled = torch.compile(lambda x: torch.nn.functional.linear(x, w, bias), fullgraph=True)(x)
     assert torch.equal(compiled, eager)
+    # An input whose rows are not contiguous (a transposed view): the same bits as its copy.
+    xt = torch.randn(256, 3, dtype=torch.bfloat16).t()
+    assert torch.equal(torch.nn.functional.linear(xt, w, bias), _call(xt.contiguous(), w, bias))
