@@ -174,12 +174,17 @@ def _int8(x, w, bias, tiles=True):
     return _apply(x, _in_features(w), int8_amx_linear, w.qdata, w.scale, bias, tiles)
 
 
-def _fp8(x, w, bias, tiles=True):
-    x = w.simulate_input_quantization(x)
+def fp8_operands(w):
+    """A Float8Tensor's codes as bytes, its scale as float32 [N] (one per row, a per-tensor scale
+    repeated) and the codes' bit-trick shift: what the float8 C++ entry points take."""
     codes = w.qdata
     scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
-    return _apply(x, _in_features(w), fp8_amx_linear, codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype], bias,
-                  tiles)
+    return codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype]
+
+
+def _fp8(x, w, bias, tiles=True):
+    x = w.simulate_input_quantization(x)
+    return _apply(x, _in_features(w), fp8_amx_linear, *fp8_operands(w), bias, tiles)
 
 
 # IntxTensor and IntxDQTensor: their bit streams decoded 32 rows at a time into bf16 panels

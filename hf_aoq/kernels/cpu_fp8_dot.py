@@ -22,7 +22,7 @@ from . import cpu_ext
 from .build_cache import cpu_features
 from .common import rows as _rows
 from .cpu import _FP8_SHIFT, CPU_EXT, _float8_cpu_applies, _in_features
-from .cpu_amx import AVX512_BF16, _apply, _out
+from .cpu_amx import AVX512_BF16, _apply, _out, fp8_operands
 from .registry import capability, opaque_op, register_kernel
 
 # The byte permutes of the code-to-bf16 lookup (VPERMI2B); the avx512 build itself does not need it.
@@ -54,7 +54,4 @@ def fp8_dpbf16(x, w, bias):
     """Float8 weight-only (or dynamic, the input fake-quantized first) at few bf16 rows: the codes
     exact in bf16, VDPBF16PS sums, the row's scale on each sum."""
     x = w.simulate_input_quantization(x).contiguous()  # the kernel reads x's rows in place
-    codes = w.qdata
-    scale = w.scale.reshape(-1).float().expand(codes.shape[0]).contiguous()
-    return _apply(x, _in_features(w), fp8_dpbf16_linear, codes.view(torch.uint8), scale, _FP8_SHIFT[codes.dtype],
-                  bias)
+    return _apply(x, _in_features(w), fp8_dpbf16_linear, *fp8_operands(w), bias)
