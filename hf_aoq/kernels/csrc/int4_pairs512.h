@@ -22,6 +22,7 @@
 #endif
 
 #include "int16_rows.h"
+#include "simd.h"  // dpwssd512
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define HF_AOQ_INT4_512 1
@@ -100,13 +101,13 @@ __attribute__((always_inline)) inline void int4_group_isums64(const uint8_t* a, 
     std::memcpy(&v, xc[i] + 2 * j, sizeof v);
     return _mm512_set1_epi32(v);
   };
-  __m512i s[MB][4];
-  for (int i = 0; i < MB; ++i)
-    for (int t = 0; t < 4; ++t) s[i][t] = _mm512_setzero_si512();
-  int64_t j = j0;
-  if (MB == 1) {
-    __m512i o[4];
-    for (int t = 0; t < 4; ++t) o[t] = _mm512_setzero_si512();
+  if constexpr (MB == 1) {
+    // Two chains per vector (even and odd column pairs), in arrays of their own (not the
+    // tiles' s[MB][4]) and fully unrolled, so that all eight stay in registers.
+    __m512i e[4], o[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) e[t] = o[t] = _mm512_setzero_si512();
+    int64_t j = j0;
     for (; j + 2 <= j1; j += 2) {
       int4_prefetch_l2(ahead(a, j));
       int4_prefetch_l2(ahead(b, j));
@@ -114,27 +115,46 @@ __attribute__((always_inline)) inline void int4_group_isums64(const uint8_t* a, 
       codes(j, q);
       codes(j + 1, r);
       const __m512i xa = xpair(0, j), xb = xpair(0, j + 1);
+#pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
-        s[0][t] = _mm512_dpwssd_epi32(s[0][t], q[t], xa);
-        o[t] = _mm512_dpwssd_epi32(o[t], r[t], xb);
+        e[t] = dpwssd512(e[t], q[t], xa);
+        o[t] = dpwssd512(o[t], r[t], xb);
       }
     }
-    for (int t = 0; t < 4; ++t) s[0][t] = _mm512_add_epi32(s[0][t], o[t]);
-  }
-  for (; j < j1; ++j) {
-    if (pf && (j & 1) == 0) {  // a 64-byte line per stream every two column pairs
-      int4_prefetch_l2(ahead(a, j));
-      int4_prefetch_l2(ahead(b, j));
+    if (j < j1) {
+      __m512i q[4];
+      codes(j, q);
+      const __m512i x = xpair(0, j);
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) e[t] = dpwssd512(e[t], q[t], x);
     }
-    __m512i q[4];
-    codes(j, q);
-    for (int i = 0; i < MB; ++i) {
-      const __m512i x = xpair(i, j);
-      for (int t = 0; t < 4; ++t) s[i][t] = _mm512_dpwssd_epi32(s[i][t], q[t], x);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) acc[0][t] = _mm512_add_epi32(e[t], o[t]);
+  } else {
+    __m512i s[MB][4];
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) s[i][t] = _mm512_setzero_si512();
+    for (int64_t j = j0; j < j1; ++j) {
+      if (pf && (j & 1) == 0) {  // a 64-byte line per stream every two column pairs
+        int4_prefetch_l2(ahead(a, j));
+        int4_prefetch_l2(ahead(b, j));
+      }
+      __m512i q[4];
+      codes(j, q);
+#pragma GCC unroll 16
+      for (int i = 0; i < MB; ++i) {
+        const __m512i x = xpair(i, j);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) s[i][t] = dpwssd512(s[i][t], q[t], x);
+      }
     }
+#pragma GCC unroll 16
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) acc[i][t] = s[i][t];
   }
-  for (int i = 0; i < MB; ++i)
-    for (int t = 0; t < 4; ++t) acc[i][t] = s[i][t];
 }
 
 // out[t] += (s * sx) * acc[t] + zc * xs: int4_epilogue16's operations (zc = z - offset * s,

@@ -116,7 +116,7 @@ using ivec = __m512i;
 inline ivec izero() { return _mm512_setzero_si512(); }
 inline ivec codes32(const int16_t* p) { return _mm512_loadu_si512(p); }
 inline ivec widen32(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline ivec dot_pairs(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline ivec dot_pairs(ivec acc, ivec a, ivec b) { return dpwssd512(acc, a, b); }
 inline vfloat lanes_float(ivec v) { return _mm512_cvtepi32_ps(v); }
 inline vfloat vset(float f) { return _mm512_set1_ps(f); }
 constexpr int kCodeRows = 8;  // weight rows per step at one activation row: 8 int32 + 8 float32 accumulators

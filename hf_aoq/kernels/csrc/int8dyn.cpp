@@ -172,7 +172,7 @@ inline void int8dyn_gemv_tile(const int8_t* c, const int32_t* fix, const int8_t*
     for (int i = 0; i < MB; ++i) xv[i] = _mm512_loadu_si512(c + i * K + k);
     for (int r = 0; r < NR; ++r) {
       const __m512i wr = _mm512_xor_si512(_mm512_loadu_si512(w + r * K + k), flip);
-      for (int i = 0; i < MB; ++i) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], wr, xv[i]);
+      for (int i = 0; i < MB; ++i) acc[i][r] = dpbusd512(acc[i][r], wr, xv[i]);
     }
   }
   for (int i = 0; i < MB; ++i)

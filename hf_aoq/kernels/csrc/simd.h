@@ -19,6 +19,22 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// acc + vpdpwssd(a, b) (AVX-512 VNNI), written as inline asm that updates acc's register in place:
+// with _mm512_dpwssd_epi32, GCC 12 copied every loop-carried accumulator into a second register
+// and back around each vpdpwssd (two register moves per multiply-add in the int4 and int8
+// GEMVs' inner loops).
+__attribute__((always_inline)) inline __m512i dpwssd512(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+// acc + vpdpbusd(u, s) (unsigned bytes of u times signed bytes of s), likewise.
+__attribute__((always_inline)) inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+#endif
+
 #if defined(__AVX2__)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
