@@ -26,6 +26,37 @@ from .errors import AOQError
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+# The float8 codes that are not finite numbers, as (bits, what): a code c is one where c | bits is
+# 0xFF. e4m3fn has no infinities and one NaN magnitude (S.1111.111); e5m2's all-ones exponent is
+# inf (mantissa 0) or NaN (S.11111.xx).
+FLOAT8_SPECIAL_CODES = {torch.float8_e4m3fn: (0x80, "NaN"), torch.float8_e5m2: (0x83, "inf or NaN")}
+# Bytes a loader scans at a time for them (one uint8 buffer of this size).
+_CODE_SCAN_CHUNK = 1 << 24
+
+
+def check_float8_codes_finite(qdata: torch.Tensor, field: str = "qdata", codes: str = "codes", why: str = "") -> None:
+    """Refuse a stored float8 weight holding inf or NaN codes: an AOQError naming `field`, the
+    count of such `codes` and the first position (`why` ends the message). No hf_aoq encoder writes them
+    for a weight, and the CPU kernels read float8 codes with a bit trick that has no special
+    values, so such a file would compute finite numbers where the reference computes NaN or inf.
+    One pass over the bytes in chunks (about 0.1 s a GB on two cores); meta tensors are skipped."""
+    if qdata.dtype not in FLOAT8_SPECIAL_CODES or qdata.device.type == "meta" or qdata.numel() == 0:
+        return
+    bits, what = FLOAT8_SPECIAL_CODES[qdata.dtype]
+    flat = qdata.reshape(-1).view(torch.uint8)
+    buf = torch.empty(min(_CODE_SCAN_CHUNK, flat.numel()), dtype=torch.uint8, device=flat.device)
+    bad, first = 0, None
+    for start in range(0, flat.numel(), _CODE_SCAN_CHUNK):
+        part = flat[start:start + _CODE_SCAN_CHUNK]
+        hit = torch.bitwise_or(part, bits, out=buf[: part.numel()]).eq_(0xFF)
+        if bool(hit.any()):
+            bad += int(hit.sum())
+            first = start + int(hit.nonzero()[0]) if first is None else first
+    if bad:
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tuple(qdata.shape)))
+        raise AOQError(f"field {field!r}: {bad} {str(qdata.dtype).replace('torch.', '')} {codes} are {what} "
+                       f"(the first at {where}); {why or 'a stored float8 weight is finite (docs/format.md)'}")
+
 
 # Quantizing a weight makes a few float32 temporaries of what it works on (about ten for the
 # "mse" search); taking the rows in chunks of about this many elements bounds them, which is

@@ -16,7 +16,8 @@ import torch
 
 from ..core.errors import AOQError
 from ..core.granularity import PerRow, PerTensor
-from ..core.primitives import FLOAT8_DTYPES, by_row_chunks, choose_scale_float8, dequantize_float8, quantize_float8
+from ..core.primitives import (FLOAT8_DTYPES, by_row_chunks, check_float8_codes_finite, choose_scale_float8,
+                               dequantize_float8, quantize_float8)
 from ..core.registry import register_tensor_type
 from .common import BlockGridTensor, check_built, check_grid_fields, check_layout, check_weight
 from .experts import quantize_experts
@@ -101,6 +102,7 @@ class Float8Tensor(BlockGridTensor):
     def check_fields(cls, fields) -> None:
         super().check_fields(fields)
         check_grid_fields(fields, FLOAT8_DTYPES)
+        check_float8_codes_finite(fields["qdata"])  # quantize_float8 saturates: never inf or NaN
         # Per row or per tensor; or the transpose of per row (a weight.t() that was saved).
         check_layout(fields, cls.__name__, "(1, K) (per row), (N, K) (per tensor) or (N, 1)",
                      lambda b, shape: b in ((1, shape[1]), tuple(shape), (shape[0], 1)))

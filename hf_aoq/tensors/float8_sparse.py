@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..core.errors import AOQError
-from ..core.primitives import FLOAT8_DTYPES, by_row_chunks, choose_scale_float8, quantize_float8
+from ..core.primitives import FLOAT8_DTYPES, by_row_chunks, check_float8_codes_finite, choose_scale_float8, quantize_float8
 from ..core.registry import register_tensor_type
 from .common import BlockGridTensor, check_built, check_weight
 from .experts import quantize_experts
@@ -204,6 +204,7 @@ class Float8SemiSparseTensor(BlockGridTensor):
         if scale.device.type != "meta" and not bool(((scale > 0) & torch.isfinite(scale)).all()):
             raise AOQError("field 'scale': every row's scale must be positive and finite")
         check_positions(fields["positions"], k)
+        check_float8_codes_finite(fields["qdata"])  # quantize_float8 saturates: never inf or NaN
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         values = self.qdata.to(torch.float32) * self.scale

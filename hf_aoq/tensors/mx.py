@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.errors import AOQError
-from ..core.primitives import by_row_chunks, check_finite, pack_int4, unpack_int4
+from ..core.primitives import by_row_chunks, check_finite, check_float8_codes_finite, pack_int4, unpack_int4
 from ..core.registry import register_tensor_type
 from .common import BlockGridTensor, check_built, check_weight
 
@@ -145,25 +145,6 @@ def _check_mx_weight(weight, name: str) -> None:
     check_weight(weight, name, ndims=(2, 3), shapes="a 2-D [N, K] or 3-D [E, N, K]")
 
 
-# The float8 element codes no MX encoder writes for a weight: e4m3fn's NaN (S.1111.111) and
-# e5m2's inf and NaN (S.11111.xx). The C++ kernels decode codes with a bit trick that has no
-# special values, so a file holding them would compute finite numbers where the reference gives
-# NaN or inf: such files are refused instead (a NaN block is scale code 255, which both honour).
-_SPECIAL_CODES = {torch.float8_e4m3fn: (0x7F, 0x7F, "NaN"), torch.float8_e5m2: (0x7C, 0x7C, "inf or NaN")}
-
-
-def check_element_codes(qdata: torch.Tensor, elem) -> None:
-    """Refuse float8 element codes that are inf or NaN (see _SPECIAL_CODES)."""
-    if elem not in _SPECIAL_CODES or qdata.device.type == "meta" or qdata.numel() == 0:
-        return
-    mask, value, what = _SPECIAL_CODES[elem]
-    bad = (qdata.view(torch.uint8) & mask) == value
-    if bool(bad.any()):
-        where = tuple(int(v) for v in bad.nonzero()[0])
-        raise AOQError(f"field 'qdata': {int(bad.sum())} {_name(elem)} element codes are {what} (the first at "
-                       f"{where}); MX weights are finite, a NaN block is scale code {E8M0_NAN} (docs/format.md)")
-
-
 @register_tensor_type
 class MXTensor(BlockGridTensor):
     tensor_data_names = ("qdata", "scale")
@@ -236,7 +217,9 @@ class MXTensor(BlockGridTensor):
                     f"field {field!r}: {t.dtype} {tuple(t.shape)}, expected {want_dtype} {want_shape} for shape "
                     f"{shape} and elem_dtype {_name(elem)}"
                 )
-        check_element_codes(fields["qdata"], elem)
+        # No MX encoder writes inf or NaN element codes for a weight (a NaN block is scale code 255).
+        check_float8_codes_finite(fields["qdata"], codes="element codes",
+                                  why=f"MX weights are finite, a NaN block is scale code {E8M0_NAN} (docs/format.md)")
 
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

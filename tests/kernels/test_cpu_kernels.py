@@ -374,7 +374,7 @@ def test_fp8_cpu_kernel_decodes_every_code_exactly(f8):
 
     codes = torch.arange(256, dtype=torch.uint8)
     values = codes.view(f8).float()
-    finite = torch.isfinite(values)  # NaN/inf codes are never written by the quantizer
+    finite = torch.isfinite(values)  # NaN/inf codes: never written, refused by the loader (format.md)
     shift = _FP8_SHIFT[f8]
     # K = 1: each output is one decoded code; subnormal codes included.
     y = fp8_linear_cpu(torch.ones(1, 1), codes.view(256, 1), torch.ones(256), shift)

@@ -192,6 +192,8 @@ def test_a_nonzero_pad_nibble_is_refused_at_load():
 @pytest.mark.parametrize("change, match", [
     (dict(qdata=torch.zeros(4, 32, dtype=E5M2)), "field 'qdata'"),
     (dict(qdata=torch.zeros(4, 64, dtype=E4M3)), "field 'qdata'"),
+    (dict(qdata=torch.full((4, 32), 0x7F, dtype=torch.uint8).view(E4M3)),
+     r"field 'qdata': 128 float8_e4m3fn codes are NaN \(the first at \(0, 0\)\)"),
     (dict(positions=torch.zeros(4, 9, dtype=torch.uint8)), "field 'positions'"),
     (dict(scale=torch.ones(4, 1, dtype=torch.bfloat16)), "field 'scale'"),
     (dict(scale=torch.zeros(4, 1)), "field 'scale'"),

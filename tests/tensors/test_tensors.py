@@ -278,7 +278,47 @@ def _layouts(n=32, k=256):
         ("fp8 3-D groups of 32", Float8Tensor(f8.reshape(2, n // 2, k), ones(2, n // 2, k // 32), (1, 1, 32),
                                               (2, n // 2, k), torch.float32), "'block_size'"),
         ("int8 empty", Int8Tensor(i8[:0], ones(0, 1), (1, k), (0, k), torch.float32), "'shape'"),
+        # Codes no encoder writes for a weight, which the CPU kernels would read as finite numbers.
+        ("fp8 NaN code", Float8Tensor(_with_code(f8, 0xFF), ones(n, 1), (1, k), (n, k), torch.float32),
+         r"field 'qdata': 1 float8_e4m3fn codes are NaN \(the first at \(3, 17\)\)"),
+        ("fp8 e5m2 inf code", Float8Tensor(_with_code(f8.float().to(torch.float8_e5m2), 0x7C), ones(1, 1), (n, k),
+                                           (n, k), torch.float32),
+         r"field 'qdata': 1 float8_e5m2 codes are inf or NaN \(the first at \(3, 17\)\)"),
     ]
+
+
+def _with_code(f8: torch.Tensor, code: int) -> torch.Tensor:
+    """A copy of float8 `f8` holding `code` at row 3, column 17."""
+    out = f8.clone()
+    out.view(torch.uint8)[3, 17] = code
+    return out
+
+
+@pytest.mark.parametrize("dtype, special", [
+    (torch.float8_e4m3fn, [0x7F, 0xFF]),
+    (torch.float8_e5m2, [0x7C, 0x7D, 0x7E, 0x7F, 0xFC, 0xFD, 0xFE, 0xFF]),
+])
+def test_float8_inf_and_nan_codes_are_refused_and_no_other(dtype, special, monkeypatch):
+    # The CPU kernels read float8 codes with a bit trick that has no inf or NaN (csrc/fp8.cpp), so
+    # a weight holding them would compute finite numbers where the reference computes NaN or inf:
+    # the loader's check refuses them, counting them all and naming the first. Scanned in chunks
+    # of 1000 bytes here, so that hits in several chunks are counted and the first one named.
+    from hf_aoq.core import primitives
+
+    monkeypatch.setattr(primitives, "_CODE_SCAN_CHUNK", 1000)
+    others = torch.tensor([c for c in range(256) if c not in special], dtype=torch.uint8)
+    fine = others.repeat(2 * 40 * 96 // len(others) + 1)[: 2 * 40 * 96].reshape(2, 40, 96)
+    w = Float8Tensor(fine.view(dtype), torch.ones(2, 40, 1), (1, 1, 96), (2, 40, 96), torch.bfloat16)
+    Float8Tensor.check_fields(w.fields())  # every other code, in every position
+    for code in special:
+        codes = fine.clone()
+        codes[1, 30, 5] = codes[1, 33, 90] = codes[0, 2, 7] = code  # flat 96 * 42 + 5 = 4037 > 1000 and 7 < 1000
+        with pytest.raises(AOQError, match=rf"field 'qdata': 3 {str(dtype)[6:]} codes are (NaN|inf or NaN) \(the "
+                                           r"first at \(0, 2, 7\)\); a stored float8 weight is finite"):
+            Float8Tensor.check_fields(dict(w.fields(), qdata=codes.view(dtype)))
+        codes[0, 2, 7] = fine[0, 2, 7]
+        with pytest.raises(AOQError, match=r"field 'qdata': 2 .*\(the first at \(1, 30, 5\)\)"):
+            Float8Tensor.check_fields(dict(w.fields(), qdata=codes.view(dtype)))
 
 
 @pytest.mark.parametrize("case", range(len(_layouts())), ids=[label for label, _, _ in _layouts()])

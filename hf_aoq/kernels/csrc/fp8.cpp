@@ -12,6 +12,9 @@
 // two), and no overflow for any scale below 2^68 (the whole factor times a scale above 2^8
 // would be infinite in float32).
 // Subnormal float32 inputs must not be flushed, so DAZ is cleared for the call.
+// The trick has no inf or NaN: e4m3fn's 0x7F / 0xFF and e5m2's 0x7C-0x7F / 0xFC-0xFF read as finite
+// numbers. No quantizer writes them and the loader refuses a weight holding them
+// (core/primitives.py check_float8_codes_finite); fp8_dpbf16_linear's table decodes them as torch does.
 // At 2-28 bf16 rows on AVX512-BF16 (fp8_dpbf16_linear, at the end): the codes as their exact bf16
 // values by byte-table lookups and VDPBF16PS's sums (bf16_dot_rows.h).
 #include <torch/types.h>

@@ -15,6 +15,8 @@
 // the codes are then multiplied by 2^60 (exact) so that partial sums stay away from float32's
 // subnormals, and the row's dot product is multiplied by 2^60 (exact) and then by the row's scale
 // (the one rounding the scale brings). Denormals are neither flushed nor treated as zero.
+// The NaN code (0x7F / 0xFF) reads as a finite number: the loader refuses weights holding it
+// (core/primitives.py check_float8_codes_finite).
 //
 // fp8_sparse_dequantize: the dense weight in bf16/fp16/fp32, bit for bit the reference's
 // dequantize(dtype): float32 value * scale, rounded once to dtype, zeros at the pruned columns.

@@ -185,7 +185,8 @@ inline int64_t mx_check_weight(const torch::Tensor& qdata, const torch::Tensor& 
 //         / 2^-112, exactly, subnormal codes included (DAZ must be off); times 2^120 / 2^112
 //         (exact), times the scale.
 // Element codes that are not finite (e4m3fn 0x7F/0xFF, e5m2 0x7C-0x7F/0xFC-0xFF: mx.py's encoder
-// saturates and never writes them) decode to finite values here.
+// saturates and never writes them; the loader refuses them, core/primitives.py
+// check_float8_codes_finite) decode to finite values here.
 #if defined(__AVX2__)
 #if defined(__AVX512F__)
 using Fp4Table = __m512;
