@@ -320,15 +320,18 @@ def int8_cpu_linear(x, w, bias):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-# hf_aoq's own int8 kernel (csrc/int8.cpp), in float32: at batch 1 about as fast as aten's
-# bf16 kernel and 10-30x its float32 kernel; at many rows a chunked dequantize (q * scale, as the
-# reference) + float32 GEMM, about 2x aten's bf16 kernel at 256 rows.
-# The GEMV's tiles (csrc/simd.h) are 4 weight rows x 6 activation rows on AVX-512 builds, x 1 on
-# AVX2 (same outputs). AVX-512 (2-vCPU Xeon, 2048x5632, float32 and bf16 activations, medians of
-# interleaved rounds): the tiled GEMV beat float32 dequantize + GEMM at every row count measured
-# up to 48 (48 rows: 11.9 against 15.2 ms) and the AMX bf16 rows (cpu_gemm.MIN_ROWS) up to 32
-# (7.3 against 8.3 ms; 48: 11.9 against 10.5). One limit for every build, so that the AVX2 and
-# AVX-512 builds compute the same numbers (tests/kernels/test_cpu_isa.py); AVX2 not re-measured.
+# hf_aoq's own int8 kernel (csrc/int8.cpp). Half-precision activations (K a multiple of 32): int16
+# activation codes in integer multiply-adds at every row count (INT8_GEMV_MAX_ROWS does not apply;
+# at 41-512 rows 0.92-1.5x the time of dequantize + float32 GEMM in the AVX2 build on a Zen 4,
+# 1.6-2.2x as fast in the AVX-512 one). Float32 activations: a float32 GEMV up to
+# INT8_GEMV_MAX_ROWS (at batch 1 about as fast as aten's bf16 kernel and 10-30x its float32
+# kernel), a chunked dequantize (q * scale, as the reference) + float32 GEMM above.
+# The float32 GEMV's tiles (csrc/simd.h) are 4 weight rows x 6 activation rows on AVX-512 builds,
+# x 1 on AVX2 (same outputs). AVX-512 (2-vCPU Xeon, 2048x5632, float32 and bf16 activations,
+# medians of interleaved rounds): the tiled GEMV beat float32 dequantize + GEMM at every row count
+# measured up to 48 (48 rows: 11.9 against 15.2 ms) and the AMX bf16 rows (cpu_gemm.MIN_ROWS) up
+# to 32 (7.3 against 8.3 ms; 48: 11.9 against 10.5). One limit for every build, so that the AVX2
+# and AVX-512 builds compute the same numbers (tests/kernels/test_cpu_isa.py); AVX2 not re-measured.
 _TILED_GEMV_MAX_ROWS = 40
 INT8_GEMV_MAX_ROWS = _TILED_GEMV_MAX_ROWS
 
@@ -351,9 +354,9 @@ def int8dyn_linear_io(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
 def int8_ext_linear(x, w, bias):
     """Weight-only and dynamic int8 alike (dynamic activations are quantized per token and
     dequantized in x's dtype first, as the reference does, inside the same C++ call), computed
-    in float32; weight-only half-precision activations at GEMV rows meet the codes as int16
-    codes (csrc/int8.cpp's int8_code_gemv: within half a code step of each group's largest |x|
-    / 32767, more precise than the reference, which rounds the weight to x's dtype)."""
+    in float32; weight-only half-precision activations meet the codes as int16 codes at any
+    number of rows (csrc/int8.cpp's int8_code_gemv: within half a code step of each group's
+    largest |x| / 32767, more precise than the reference, which rounds the weight to x's dtype)."""
     if w.act_quant == "per_token":
         return int8dyn_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)
     return int8_linear_io(x, w.qdata, w.scale, bias, INT8_GEMV_MAX_ROWS)

@@ -444,22 +444,25 @@ def int8_code_group(k: int) -> int:
 @needs_ext
 @pytest.mark.parametrize("n,k", [(48, 256), (45, 384), (102, 96), (8, 224), (3, 64)])
 def test_int8_kernel_through_int16_activation_codes(n, k):
-    """Half-precision activations at GEMV rows meet the int8 codes as int16 codes (int8.cpp's
-    int8_code_gemv): eight-row blocks at one row and four-row blocks by row pairs on AVX-512 (four
-    and four by one on AVX2), part blocks one row at a time (N = 45, 102, 3), groups of 256, 128
-    and 32 columns. Each output is what the definition gives up to float32 rounding, within half a
-    code step per activation times |w| of the exact product; a row's value does not depend on the
-    rows computed with it; float32 activations keep the float32 GEMV, closer to the exact product."""
+    """Half-precision activations at any number of rows meet the int8 codes as int16 codes
+    (int8.cpp's int8_code_gemv, whatever the float32 GEMV's row limit): eight-row blocks at one
+    row (four on AVX2); four-row blocks by row pairs on AVX-512, part blocks one row at a time
+    (N = 45, 102, 3); on AVX2 blocks of 32 rows in two-by-two tiles, an odd last activation row
+    and an odd last weight row alone; groups of 256, 128 and 32 columns. Each output is what the
+    definition gives up to float32 rounding, within half a code step per activation times |w| of
+    the exact product; a row's value does not depend on the rows computed with it; float32
+    activations keep the float32 paths, closer to the exact product."""
     torch.manual_seed(0)
     q = Int8Tensor.from_float(torch.randn(n, k))
     scale = q.scale.reshape(-1).float().contiguous()
     w = q.dequantize(torch.float32)
     g = int8_code_group(k)
     ext = cpu_ext.load()
-    for m in (1, 2, 3, 5, 12, 40):
+    for m in (1, 2, 3, 5, 12, 40, 41, 70):
         x = torch.randn(m, k).bfloat16().float()
         x[0, :g] *= 100  # an outlier group: the steps are per group, the other groups keep theirs
         got = ext.int8_linear(x, q.qdata, scale, 1000, True)
+        assert torch.equal(ext.int8_linear(x, q.qdata, scale, 1, True), got), m  # no row limit
         expected, bound = int16_activation_linear(x, w, g)
         assert rel_err(expected, got) < 1e-6, m
         exact = x.double() @ w.double().t()
@@ -471,9 +474,9 @@ def test_int8_kernel_through_int16_activation_codes(n, k):
 
 @needs_ext
 def test_int8_int16_path_limits():
-    """K not a multiple of 32 keeps the float32 GEMV (the same bits as asking for it); more rows
-    than the GEMV's limit take the GEMM path whatever is asked; a NaN or inf activation makes its
-    row's outputs NaN and leaves the other rows as they were."""
+    """K not a multiple of 32 keeps the float32 paths (the same bits as asking for them: the GEMV,
+    and above its row limit dequantize + GEMM); a NaN or inf activation makes its row's outputs NaN
+    and leaves the other rows as they were."""
     torch.manual_seed(0)
     ext = cpu_ext.load()
     q = Int8Tensor.from_float(torch.randn(40, 200))

@@ -1,7 +1,9 @@
 // Int8 weight x float activation on CPU: aten's `_weight_int8pack_mm` is built for bf16
 // activations and is 10-30x slower than a float32 GEMM with float32 activations or at a few
-// hundred rows. Few rows: each weight row is read once and dotted with every activation row in
-// float32 (a GEMV that streams the weight). Many rows: chunks of the weight dequantized exactly
+// hundred rows. Half-precision activations (and K a multiple of 32), any number of rows: the
+// activations as int16 codes in exact integer multiply-adds with the int8 codes (int8_code_gemv).
+// Float32 activations: few rows, each weight row read once and dotted with every activation row
+// in float32 (a GEMV that streams the weight); many rows, chunks of the weight dequantized exactly
 // as the reference does it, multiplied by float32 GEMM (dequant_gemm.h).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
@@ -176,15 +178,48 @@ inline void int8_code_tile(const Int16Rows& xr, int64_t m0, const int8_t* q, con
     for (int r = 0; r < NR; ++r) y[(m0 + i) * N + n0 + r] = vsum(f[i][r]) * scale[n0 + r];
 }
 
-// The int16-code GEMV over all M rows: blocks of kCodeRows weight rows over the threads (a last
-// part block one row at a time), activation rows in pairs on AVX-512 (half the rows a tile there,
-// so that both accumulator sets fit its 32 registers) and one at a time on AVX2.
+// AVX2, more than one activation row: blocks of NB weight rows over the threads; in a block, MB
+// activation rows at a time against each NR of its rows, so that the MB rows' codes stay in L1
+// while the block's rows come from L2. (Four weight rows by every activation row in turn, as at
+// one row, read each activation row from L2 or L3 again for every four weight rows: 1.13-1.53x
+// slower at 2-256 rows on a Zen 4 in the AVX2 build; docs/performance.md.) The same operations
+// per output as every tile, so the same outputs.
+template <int NR, int MB, int NB>
+void int8_code_blocks(const Int16Rows& xr, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N,
+                      int64_t K, int64_t gs) {
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB, n1 = std::min<int64_t>(N, n0 + NB);
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB) {
+        int64_t n = n0;
+        for (; n + NR <= n1; n += NR) int8_code_tile<NR, MB>(xr, m, q, scale, K, gs, n, y, N);
+        for (; n < n1; ++n)
+          for (int i = 0; i < MB; ++i) int8_code_tile<1, 1>(xr, m + i, q, scale, K, gs, n, y, N);
+      }
+      for (; m < M; ++m) {
+        int64_t n = n0;
+        for (; n + NR <= n1; n += NR) int8_code_tile<NR, 1>(xr, m, q, scale, K, gs, n, y, N);
+        for (; n < n1; ++n) int8_code_tile<1, 1>(xr, m, q, scale, K, gs, n, y, N);
+      }
+    }
+  });
+}
+
+// The int16-code kernel over all M rows: at one row, blocks of kCodeRows weight rows over the
+// threads (a last part block one row at a time); at more rows, on AVX-512, blocks of four weight
+// rows by activation row pairs (half the rows a tile, so that both accumulator sets fit its 32
+// registers), on AVX2 int8_code_blocks' tiles of two weight rows by two activation rows.
 void int8_code_gemv(const Int16Rows& xr, const int8_t* q, const float* scale, float* y, int64_t M, int64_t N, int64_t K,
                     int64_t gs) {
 #if defined(__AVX512F__)
   constexpr int kPair = 2, kPairRows = kCodeRows / 2;
 #else
-  constexpr int kPair = 1, kPairRows = kCodeRows;
+  if (M > 1) {
+    int8_code_blocks<2, 2, 32>(xr, q, scale, y, M, N, K, gs);
+    return;
+  }
+  constexpr int kPair = 1, kPairRows = kCodeRows;  // one row only, here
 #endif
   const int64_t rows = M == 1 ? kCodeRows : kPairRows, full = N / rows;
   at::parallel_for(0, full + (N % rows ? 1 : 0), std::max<int64_t>(1, 16 / rows), [&](int64_t b0, int64_t b1) {
@@ -230,9 +265,11 @@ struct Int8Rows {
 }  // namespace
 
 // x: float32 [M, K] contiguous; q: int8 [N, K] contiguous; scale: float32 [N]. Returns float32
-// [M, N]. Few rows: int16 activation codes where x came in half precision and K is a multiple
-// of 32 (int8_code_gemv), else the float32 GEMV. Many rows: chunks of q * scale (the reference's
-// float32 dequantization) and GEMM.
+// [M, N]. Where x came in half precision (int16_activations) and K is a multiple of 32: int16
+// activation codes at any number of rows (int8_code_gemv; at many rows as fast as dequantize +
+// float32 GEMM or faster in the AVX2 build, 1.6-2.2x in the AVX-512 one, with no float32 copy of
+// the weight). Otherwise, up to gemv_max_rows, the float32 GEMV; above, chunks of q * scale (the
+// reference's float32 dequantization) and GEMM.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t gemv_max_rows,
                           bool int16_activations) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, K]");
@@ -241,15 +278,15 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.numel() == q.size(0) && scale.is_contiguous(), "scale: float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   auto y = torch::empty({M, N}, x.options());
-  if (M <= gemv_max_rows) {
 #if defined(__AVX2__)
-    const int64_t gs = int8_code_group(K);
-    if (int16_activations && gs > 0) {
-      const Int16Rows xr = quantize_rows16(x.data_ptr<float>(), M, K, gs);
-      int8_code_gemv(xr, q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K, gs);
-      return y;
-    }
+  const int64_t gs = int8_code_group(K);
+  if (int16_activations && gs > 0) {
+    const Int16Rows xr = quantize_rows16(x.data_ptr<float>(), M, K, gs);
+    int8_code_gemv(xr, q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K, gs);
+    return y;
+  }
 #endif
+  if (M <= gemv_max_rows) {
     int8_gemv(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
     return y;
   }

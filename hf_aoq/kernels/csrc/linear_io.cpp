@@ -106,7 +106,7 @@ torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Ten
 }
 
 // F.linear(x, int8 weight, bias) in one call; scale: [N] or [N, 1] of any float dtype. Half-precision
-// x meets the codes as int16 codes at GEMV rows (int8_linear).
+// x meets the codes as int16 codes at any number of rows (int8_linear).
 torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                              int64_t gemv_max_rows) {
   const int64_t k = q.size(1);
