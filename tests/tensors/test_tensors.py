@@ -312,7 +312,7 @@ def test_float8_inf_and_nan_codes_are_refused_and_no_other(dtype, special, monke
     Float8Tensor.check_fields(w.fields())  # every other code, in every position
     for code in special:
         codes = fine.clone()
-        codes[1, 30, 5] = codes[1, 33, 90] = codes[0, 2, 7] = code  # flat 96 * 42 + 5 = 4037 > 1000 and 7 < 1000
+        codes[1, 30, 5] = codes[1, 33, 90] = codes[0, 2, 7] = code  # flat 6725, 7098, 199: chunks 6, 7, 0
         with pytest.raises(AOQError, match=rf"field 'qdata': 3 {str(dtype)[6:]} codes are (NaN|inf or NaN) \(the "
                                            r"first at \(0, 2, 7\)\); a stored float8 weight is finite"):
             Float8Tensor.check_fields(dict(w.fields(), qdata=codes.view(dtype)))
