@@ -31,6 +31,10 @@ aten = torch.ops.aten
 
 _WRAPPER_ATTRIBUTES = ("shape", "dtype")
 
+# Every graph compiled in this process is keyed on hf_aoq's sources (Inductor's FX graph cache
+# does not see its ops' schemas: compile_cache).
+compile_cache.tag_compile_caches()
+
 # More parts of torch.compile's cache key, added by the layers above (the kernel table adds what
 # this machine's kernels allow): a graph traced where other kernels were chosen is not reused.
 CACHE_KEY_PARTS: list[Callable[[], str]] = []

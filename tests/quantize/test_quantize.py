@@ -211,13 +211,15 @@ from torch._dynamo.utils import counters
 import hf_aoq.core.compile_cache as compile_cache
 if sys.argv[1] != "-":
     compile_cache.package_source_digest = lambda: sys.argv[1]  # as if hf_aoq's sources had changed
+    compile_cache.tag_compile_caches()  # importing hf_aoq tagged torch's caches with the real digest
 from hf_aoq import Float8WeightOnlyConfig, quantize_
 from models import tiny_model
 from test_quantize import IDS
 q = quantize_(tiny_model(torch.float32), Float8WeightOnlyConfig())
 with torch.no_grad():
     torch.compile(q, fullgraph=True)(IDS)
-print(json.dumps(dict(counters["aot_autograd"])))
+print(json.dumps({"aot": dict(counters["aot_autograd"]), "fx": dict(counters["inductor"]),
+                  "tag": torch.compiler.config.cache_key_tag}))
 """
 
 
@@ -244,11 +246,30 @@ def test_compile_cache_is_keyed_on_hf_aoq_sources(tmp_path):
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     first = compile_once("-")
-    assert first.get("autograd_cache_saved", 0) >= 1, first
+    assert first["aot"].get("autograd_cache_saved", 0) >= 1, first
+    assert first["fx"].get("fxgraph_cache_miss", 0) >= 1, first
     again = compile_once("-")  # same sources: the key is stable across processes
-    assert again.get("autograd_cache_hit", 0) >= 1 and not again.get("autograd_cache_miss"), again
-    changed = compile_once("0" * 64)  # other sources: compiled afresh
-    assert changed.get("autograd_cache_miss", 0) >= 1 and not changed.get("autograd_cache_hit"), changed
+    assert again["aot"].get("autograd_cache_hit", 0) >= 1 and not again["aot"].get("autograd_cache_miss"), again
+    # Other sources: compiled afresh, by AOT autograd and by Inductor. The traced graph reads the
+    # same, so Inductor's FX graph cache (which does not see the ops' schemas) would otherwise
+    # return the older hf_aoq's compiled code: keyed through torch's cache key tag.
+    changed = compile_once("0" * 64)
+    assert changed["aot"].get("autograd_cache_miss", 0) >= 1 and not changed["aot"].get("autograd_cache_hit"), changed
+    assert changed["fx"].get("fxgraph_cache_miss", 0) >= 1 and not changed["fx"].get("fxgraph_cache_hit"), changed
+    assert changed["tag"].split(" ")[-1] == "hf_aoq-" + "0" * 32 and first["tag"] != changed["tag"]
+
+
+def test_the_compile_cache_tag_keeps_the_users_words(monkeypatch):
+    import torch
+
+    from hf_aoq.core import compile_cache
+
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine hf_aoq-0123 also")
+    monkeypatch.setattr(compile_cache, "package_source_digest", lambda: "ab" * 32)
+    compile_cache.tag_compile_caches()
+    assert torch.compiler.config.cache_key_tag == "mine also hf_aoq-" + "ab" * 16
+    compile_cache.tag_compile_caches()  # again: the same tag
+    assert torch.compiler.config.cache_key_tag == "mine also hf_aoq-" + "ab" * 16
 
 
 def test_source_digest_sees_every_source_file(tmp_path):
