@@ -40,9 +40,8 @@ def direct_call(name: str, ext, x, q):
     if name == "int4":
         return lambda: ext.int4pack_linear_io(x, q.qdata, q.scale, q.block_size[-1], k, None, cpu.INT4_GEMV_MAX_ROWS)
     if name == "int4dq":
-        rows = cpu._int4dq_rows(q)  # the table F.linear keeps on the weight
         return lambda: ext.int4dq_linear_io(x, q.qdata, q.gparams, q.rparams, q.tparams, q.block_size[-1], k, None,
-                                            cpu.INT4_GEMV_MAX_ROWS, rows)
+                                            cpu.INT4_GEMV_MAX_ROWS)
     if name == "int8":
         return lambda: ext.int8_linear_io(x, q.qdata, q.scale, None, cpu.INT8_GEMV_MAX_ROWS)
     shift = cpu._FP8_SHIFT[q.qdata.dtype]

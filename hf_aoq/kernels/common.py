@@ -22,8 +22,8 @@ def rows(x: torch.Tensor) -> int:
 
 def derived(w, name: str, make):
     """`make(w)`, computed once and kept on the weight `w` (an AOQTensor) under `name`: what a
-    kernel derives from the fields and would otherwise redo on every call (Int4DQ's decoded row
-    table). Setting any field drops it, and pickling and deepcopy leave it out
+    kernel derives from the fields and would otherwise redo on every call (IntxDQ's decoded row
+    grid). Setting any field drops it, and pickling and deepcopy leave it out
     (core.tensor.DERIVED_CACHE). Not to be called while torch.compile traces."""
     cache = w.__dict__.get(DERIVED_CACHE)
     if cache is None:

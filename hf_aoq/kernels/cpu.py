@@ -16,7 +16,7 @@ import torch
 
 from ..core.primitives import pack_int4, unpack_int4
 from . import cpu_ext
-from .common import (FLOATS, INT4_GROUP_SIZES, aligned_contiguous, derived, int4_padded_k, pad_input, pad_int4_codes,
+from .common import (FLOATS, INT4_GROUP_SIZES, aligned_contiguous, int4_padded_k, pad_input, pad_int4_codes,
                      scale_and_zero)
 from .nibbles import unpack_nibbles
 from .registry import Packing, capability, opaque_op, register_kernel, register_packing
@@ -426,14 +426,23 @@ def int4dq_canonical_gparams(flat: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack_int4dq_for_cpu(w):
-    qdata = cpu_ext.load().int4_repack_pairs(w.qdata.contiguous(), int4_padded_k(w))
-    return w.replace(qdata=qdata, gparams=int4dq_cpu_gparams(w.gparams), packing="cpu_int4dq")
+    """The pairs layout, the chunked gparams, and tparams followed by the decoded row table the
+    kernels read (float32 [2 + 8N]: T_d, T_c, then int4dq_cpu_rows; 32 bytes a row, 1.6% of a
+    TinyLlama Int4DQ model): made once here, so that no call decodes it, eager or compiled (a
+    compiled graph reads the weight's fields as they are; decoding per call cost 1.2-1.5 ns a row on
+    the Xeon, 2.7 in the AVX2 build: 1.3 ms of a 22-layer TinyLlama decode step on the Zen 4)."""
+    ext = cpu_ext.load()
+    qdata = ext.int4_repack_pairs(w.qdata.contiguous(), int4_padded_k(w))
+    tparams = w.tparams.contiguous()
+    tparams = torch.cat([tparams, ext.int4dq_cpu_rows(w.rparams.contiguous(), tparams).reshape(-1)])
+    return w.replace(qdata=qdata, gparams=int4dq_cpu_gparams(w.gparams), tparams=tparams, packing="cpu_int4dq")
 
 
 def unpack_int4dq_from_cpu(w):
     n, k = w.shape
     codes = pairs_int4unpack_codes(w.qdata, n, int4_padded_k(w))[:, :k]
-    return w.replace(qdata=pack_int4(codes), gparams=int4dq_canonical_gparams(w.gparams, n), packing=None)
+    return w.replace(qdata=pack_int4(codes), gparams=int4dq_canonical_gparams(w.gparams, n),
+                     tparams=w.tparams[:2].clone(), packing=None)
 
 
 register_packing(
@@ -445,27 +454,18 @@ register_packing(
 @opaque_op("int4dq_linear_io_cpu", _linear_out)
 def int4dq_linear_io(
     x: torch.Tensor, packed: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
-    group_size: int, k: int, bias: Optional[torch.Tensor], gemv_max_rows: int, rows: Optional[torch.Tensor] = None,
+    group_size: int, k: int, bias: Optional[torch.Tensor], gemv_max_rows: int,
 ) -> torch.Tensor:
-    return cpu_ext.load().int4dq_linear_io(x, packed, gparams, rparams, tparams, group_size, k, bias, gemv_max_rows,
-                                           rows)
-
-
-def _int4dq_rows(w) -> torch.Tensor:
-    # The decoded row table the kernel reads, kept on the weight (kernels/common.py `derived`):
-    # float32 [8, N], 32 bytes a row (1.6% of a TinyLlama Int4DQ model); decoding it per call
-    # (what the compiled op does) costs 1.2-1.5 ns a row and an allocation (2-vCPU Xeon).
-    return derived(w, "cpu_int4dq_rows", lambda w: cpu_ext.load().int4dq_cpu_rows(w.rparams, w.tparams))
+    return cpu_ext.load().int4dq_linear_io(x, packed, gparams, rparams, tparams, group_size, k, bias, gemv_max_rows)
 
 
 @register_kernel("linear", "Int4DQTensor", "cpu_int4dq_ext", backend="cpu", priority=20, reads=("cpu_int4dq",),
                  device="cpu", needs=(CPU_EXT,), when=_float_input)
 def int4dq_ext_linear(x, w, bias):
     """As the int4 kernel: float32 compute for float32 activations, int16 activation codes for
-    half-precision ones."""
-    rows = None if torch.compiler.is_compiling() else _int4dq_rows(w)  # traced: decoded inside the op, per call
+    half-precision ones. The row table comes with tparams (pack_int4dq_for_cpu)."""
     return int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.block_size[-1], _in_features(w), bias,
-                            INT4_GEMV_MAX_ROWS, rows)
+                            INT4_GEMV_MAX_ROWS)
 
 
 # Many rows with half-precision activations on CPUs with a fast bf16 GEMM (AMX, AVX512-BF16).

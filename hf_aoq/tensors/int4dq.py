@@ -26,8 +26,9 @@ Decoding, in float32 (every `x * y + z` a multiply, then an add):
     input_scale float32 [K], optional: as Int4Tensor's (w / s before the cast; x / s in the forward)
 
 The CPU packing ("cpu_int4dq") holds qdata in hf_aoq's CPU int4 "pairs" layout (as
-Int4Tensor's) and gparams as one flat run of bytes in chunks of 64 rows, each chunk [G, rows]
-(kernels/cpu.py `int4dq_cpu_gparams`); `to_canonical()` undoes it.
+Int4Tensor's), gparams as one flat run of bytes in chunks of 64 rows, each chunk [G, rows]
+(kernels/cpu.py `int4dq_cpu_gparams`), and tparams as float32 [2 + 8N]: T_d, T_c, then the
+decoded per-row table the kernels read (`pack_int4dq_for_cpu`); `to_canonical()` undoes it.
 """
 from __future__ import annotations
 

@@ -230,18 +230,20 @@ def test_many_rows_path_over_several_chunks():
 def test_one_call_entry_point_equals_the_composed_ops(n, k, g, dtype, with_bias):
     """int4dq_linear_io does x.float(), zero padding to whole groups, the kernel, + bias.float()
     and .to(dtype) in one call: the same bits as those steps composed from torch ops, with the row
-    table decoded in the call or kept by the caller (int4dq_cpu_rows)."""
+    table decoded in the call (tparams [2]) or following T_d and T_c in tparams (the CPU packing's
+    [2 + 8N], int4dq_cpu_rows)."""
     qdata, gparams, rparams, tparams = random_fields(n, k, g, seed=3)
     packed, gparams_cpu, padded_k = kernel_fields(qdata, gparams, g)
     ext = cpu_ext.load()
     table = ext.int4dq_cpu_rows(rparams, tparams)
     assert table.shape == (8, n) and table.dtype == torch.float32
+    with_table = torch.cat([tparams, table.reshape(-1)])
     torch.manual_seed(4)
     bias = torch.randn(n, dtype=dtype) if with_bias else None
     for shape in ((1, k), (2, 3, k), (70, k)):
         x = torch.randn(*shape, dtype=dtype)
-        eager = ext.int4dq_linear_io(x, packed, gparams_cpu, rparams, tparams, g, k, bias, GEMV_MAX_ROWS, None)
-        kept = ext.int4dq_linear_io(x, packed, gparams_cpu, rparams, tparams, g, k, bias, GEMV_MAX_ROWS, table)
+        eager = ext.int4dq_linear_io(x, packed, gparams_cpu, rparams, tparams, g, k, bias, GEMV_MAX_ROWS)
+        kept = ext.int4dq_linear_io(x, packed, gparams_cpu, rparams, with_table, g, k, bias, GEMV_MAX_ROWS)
         assert torch.equal(kept, eager), shape
         x2 = F.pad(x.reshape(-1, k).float(), (0, padded_k - k))
         y = ext.int4dq_linear(x2, packed, gparams_cpu, rparams, tparams, g, GEMV_MAX_ROWS, dtype != torch.float32)
@@ -252,30 +254,31 @@ def test_one_call_entry_point_equals_the_composed_ops(n, k, g, dtype, with_bias)
         assert torch.equal(eager, composed), shape
 
 
-def test_the_row_table_is_kept_on_the_weight_and_dropped_with_its_fields():
-    """F.linear keeps the decoded row table on the weight (kernels/common.py `derived`) instead of
-    decoding it on every call; setting a field, pickling and deepcopy drop it, and a wrong table is
-    refused, naming it."""
-    import copy
-
+def test_the_cpu_packing_carries_the_row_table_in_tparams():
+    """The CPU packing appends the decoded row table to tparams (float32 [2 + 8N]: T_d, T_c, then
+    int4dq_cpu_rows), so that no call decodes it, eager or compiled; the canonical form (and so
+    every checkpoint) keeps tparams [2]. The kernel gives the same bits with the table decoded in
+    the call, and refuses a tparams that is neither [2] nor [2 + 8N], naming it."""
     from hf_aoq import Int4DQTensor
-    from hf_aoq.core.tensor import DERIVED_CACHE
 
     torch.manual_seed(5)
-    w = Int4DQTensor.from_float(torch.randn(64, 96), 32).place()
-    x = torch.randn(1, 96, dtype=torch.bfloat16)
-    y = F.linear(x, w)
-    table = w.__dict__[DERIVED_CACHE]["cpu_int4dq_rows"]
-    assert torch.equal(table, cpu_ext.load().int4dq_cpu_rows(w.rparams, w.tparams))
-    assert torch.equal(F.linear(x, w), y) and w.__dict__[DERIVED_CACHE]["cpu_int4dq_rows"] is table
-    assert DERIVED_CACHE not in copy.deepcopy(w).__dict__
-    w.tparams = w.tparams * 2  # a new grid: the old table must not be used
-    assert DERIVED_CACHE not in w.__dict__
-    decoded_in_call = cpu_ext.load().int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, 32, 96, None,
-                                                      GEMV_MAX_ROWS, None)
-    assert torch.equal(F.linear(x, w), decoded_in_call) and not torch.equal(decoded_in_call, y)
-    fresh = w.__dict__[DERIVED_CACHE]["cpu_int4dq_rows"]
-    assert not torch.equal(fresh, table)
-    with pytest.raises(RuntimeError, match="rows: contiguous float32"):
-        cpu_ext.load().int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, 32, 96, None, GEMV_MAX_ROWS,
-                                        table[:, :10].contiguous())
+    canonical = Int4DQTensor.from_float(torch.randn(64, 96), 32)
+    w = canonical.place()
+    assert w.packing == "cpu_int4dq" and w.tparams.shape == (2 + 8 * 64,)
+    assert torch.equal(w.tparams[:2], canonical.tparams)
+    assert torch.equal(w.tparams[2:], cpu_ext.load().int4dq_cpu_rows(canonical.rparams, canonical.tparams).reshape(-1))
+    back = w.to_canonical()
+    assert back.tparams.shape == (2,) and torch.equal(back.tparams, canonical.tparams)
+    ext = cpu_ext.load()
+    for m in (1, 5, GEMV_MAX_ROWS + 3):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, 96, dtype=dtype)
+            kept = ext.int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, 32, 96, None, GEMV_MAX_ROWS)
+            decoded_in_call = ext.int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams[:2], 32, 96, None,
+                                                   GEMV_MAX_ROWS)
+            assert torch.equal(kept, decoded_in_call), (m, dtype)
+            if m == 1:  # the row F.linear takes at one row
+                assert torch.equal(F.linear(x, w), kept), dtype
+    with pytest.raises(RuntimeError, match="tparams"):
+        cpu_ext.load().int4dq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams[:-1].contiguous(), 32, 96, None,
+                                        GEMV_MAX_ROWS)

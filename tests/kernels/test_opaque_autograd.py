@@ -94,7 +94,7 @@ def _per_token_op_calls():
         calls += [
             ("int4_linear_io_cpu", (x, w4.qdata, w4.scale, 32, 64, bias, cpu.INT4_GEMV_MAX_ROWS)),
             ("int4dq_linear_io_cpu", (x, wdq.qdata, wdq.gparams, wdq.rparams, wdq.tparams, 32, 64, bias,
-                                      cpu.INT4_GEMV_MAX_ROWS, None)),
+                                      cpu.INT4_GEMV_MAX_ROWS)),
             ("int8_linear_io_cpu", (x, w8.qdata, w8.scale, bias, cpu.INT8_GEMV_MAX_ROWS)),
             ("int8dyn_linear_io_cpu", (x, wd8.qdata, wd8.scale, bias, cpu.INT8_GEMV_MAX_ROWS)),
             ("fp8_linear_io_cpu", (x, wf8.qdata, wf8.scale, cpu._FP8_SHIFT[wf8.qdata.dtype], bias,

@@ -26,9 +26,9 @@ torch::Tensor int4_linear_io_cpu(const torch::Tensor& x, const torch::Tensor& pa
 
 torch::Tensor int4dq_linear_io_cpu(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& gparams,
                                    const torch::Tensor& rparams, const torch::Tensor& tparams, c10::SymInt group_size,
-                                   c10::SymInt k, const OptTensor& bias, c10::SymInt gemv_max_rows, const OptTensor& rows) {
+                                   c10::SymInt k, const OptTensor& bias, c10::SymInt gemv_max_rows) {
   return int4dq_linear_io(x, packed, gparams, rparams, tparams, group_size.expect_int(), k.expect_int(), bias,
-                          gemv_max_rows.expect_int(), rows);
+                          gemv_max_rows.expect_int());
 }
 
 torch::Tensor int8_linear_io_cpu(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,

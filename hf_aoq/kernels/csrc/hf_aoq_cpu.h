@@ -64,9 +64,6 @@ torch::Tensor int8_int4_linear_io(torch::Tensor codes, torch::Tensor act_scale, 
 // int4dq.cpp: Int4DQTensor on the pairs layout.
 torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations);
-torch::Tensor int4dq_linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
-                                 torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations,
-                                 c10::optional<torch::Tensor> table);
 torch::Tensor int4dq_cpu_rows(torch::Tensor rparams, torch::Tensor tparams);
 torch::Tensor int4dq_dequantize(torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t group_size, int64_t k, torch::ScalarType dtype);
@@ -135,7 +132,7 @@ torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::T
                                  int64_t k, c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
 torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                torch::Tensor tparams, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
-                               int64_t gemv_max_rows, c10::optional<torch::Tensor> rows);
+                               int64_t gemv_max_rows);
 torch::Tensor int8_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,
                              int64_t gemv_max_rows);
 torch::Tensor int8dyn_linear_io(torch::Tensor x, torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> bias,

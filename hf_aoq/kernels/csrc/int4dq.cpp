@@ -274,12 +274,14 @@ torch::Tensor dq_row_table(const torch::Tensor& rparams, const torch::Tensor& tp
 }
 
 // The checked parameter provider of a packed Int4DQ weight (Kp = packed's columns times two);
-// `rows` keeps the decoded row parameters it points into alive: the caller's `table`
-// (int4dq_cpu_rows, made once per weight) where given, else decoded here, per call (as under
-// torch.compile: 1.2-1.5 ns a row on the Xeon, 6.5 us a call at N = 5632).
+// `rows` keeps the decoded row parameters it points into alive. tparams: float32 [2] (T_d, T_c:
+// the table is decoded here, per call: 1.2-1.5 ns a row on the Xeon's AVX-512, 2.7 on AVX2, 6.5
+// to 15 us a call at N = 5632), or the CPU packing's [2 + 8N], T_d and T_c followed by the table
+// (dq_row_table) made once when the weight was packed (kernels/cpu.py `pack_int4dq_for_cpu`):
+// so that eager calls and a compiled graph, which reads the weight's fields as they are, both
+// skip the decode.
 DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams, const torch::Tensor& rparams,
-                   const torch::Tensor& tparams, int64_t group_size, torch::Tensor& rows,
-                   const c10::optional<torch::Tensor>& table = c10::nullopt) {
+                   const torch::Tensor& tparams, int64_t group_size, torch::Tensor& rows) {
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
               "packed: contiguous uint8 [N, Kp/2]");
@@ -289,15 +291,14 @@ DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams, co
                   gparams.is_contiguous(),
               "gparams: contiguous uint8 [Kp/group_size * N] in 64-row chunks (DQParams)");
   TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: uint8 [N, 4]");
-  if (table.has_value() && table->defined()) {
-    TORCH_CHECK(table->dtype() == torch::kFloat32 && table->dim() == 2 && table->size(0) == 8 && table->size(1) == N &&
-                    table->is_contiguous(),
-                "rows: contiguous float32 [8, N] (int4dq_cpu_rows)");
-    rows = *table;
+  if (tparams.numel() == 2 + 8 * N) {
+    TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.dim() == 1 && tparams.is_contiguous(),
+                "tparams: contiguous float32 [2] or [2 + 8N] (T_d, T_c and the CPU packing's row table)");
+    rows = tparams.narrow(0, 2, 8 * N);
   } else {
-    rows = dq_row_table(rparams, tparams);
+    rows = dq_row_table(rparams, tparams);  // checks rparams and tparams
   }
-  float* rp = rows.data_ptr<float>();
+  const float* rp = rows.data_ptr<float>();
   return DQParams{gparams.data_ptr<uint8_t>(), rp, rp + N, rp + 2 * N, rp + 3 * N, N, rp + 4 * N, K / group_size};
 }
 
@@ -306,31 +307,24 @@ DQParams dq_params(const torch::Tensor& packed, const torch::Tensor& gparams, co
 // x: float32 [M, Kp] contiguous (Kp: K padded to whole groups, zero input columns past K);
 // packed: uint8 [N, Kp/2] in the pairs layout (int4_repack_pairs of the canonical codes);
 // gparams: uint8 [Kp/group_size * N], the canonical gparams in 64-row chunks (DQParams); rparams:
-// uint8 [N, 4]; tparams: float32 [2]. Returns float32 [M, N]: through int16 activation codes
-// when int16_activations, else the float32 GEMV at up to gemv_max_rows rows and above them chunks
-// dequantized exactly as the format defines and float32 GEMM.
+// uint8 [N, 4]; tparams: float32 [2], or [2 + 8N] with the row table (dq_params). Returns
+// float32 [M, N]: through int16 activation codes when int16_activations, else the float32 GEMV
+// at up to gemv_max_rows rows and above them chunks dequantized exactly as the format defines
+// and float32 GEMM.
 torch::Tensor int4dq_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                             torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations) {
-  return int4dq_linear_rows(x, packed, gparams, rparams, tparams, group_size, gemv_max_rows, int16_activations,
-                            c10::nullopt);
-}
-
-// int4dq_linear with the decoded row table (int4dq_cpu_rows) when given.
-torch::Tensor int4dq_linear_rows(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
-                                 torch::Tensor tparams, int64_t group_size, int64_t gemv_max_rows, bool int16_activations,
-                                 c10::optional<torch::Tensor> table) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous float32 [M, Kp]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.numel() * 2 == N * K, "packed: [N, Kp/2] for x's Kp");
   torch::Tensor rows;
-  const DQParams params = dq_params(packed, gparams, rparams, tparams, group_size, rows, table);
+  const DQParams params = dq_params(packed, gparams, rparams, tparams, group_size, rows);
   auto y = torch::empty({M, N}, x.options());
   int4_linear(x, packed.data_ptr<uint8_t>(), params, y, N, group_size, gemv_max_rows, int16_activations);
   return y;
 }
 
-// The row table the kernels read (float32 [8, N], see dq_row_table), for the caller to keep with
-// the weight and pass to int4dq_linear_io, which otherwise decodes it on every call.
+// The row table the kernels read (float32 [8, N], see dq_row_table): the CPU packing appends it
+// to tparams (dq_params).
 torch::Tensor int4dq_cpu_rows(torch::Tensor rparams, torch::Tensor tparams) { return dq_row_table(rparams, tparams); }
 
 // The weight [N, k] in dtype (bfloat16 or float16), bit for bit the reference's dequantize(dtype):

@@ -91,17 +91,17 @@ torch::Tensor int4pack_linear_io(torch::Tensor x, torch::Tensor packed, torch::T
   });
 }
 
-// F.linear(x, Int4DQ weight, bias) in one call; see linear_io and int4dq_linear; rows: the weight's
-// decoded row table (int4dq_cpu_rows) if the caller keeps one. k: the true input
-// size (the kernel sees it padded to whole groups).
+// F.linear(x, Int4DQ weight, bias) in one call; see linear_io and int4dq_linear (tparams: [2], or
+// the CPU packing's [2 + 8N] with the row table). k: the true input size (the kernel sees it
+// padded to whole groups).
 torch::Tensor int4dq_linear_io(torch::Tensor x, torch::Tensor packed, torch::Tensor gparams, torch::Tensor rparams,
                                torch::Tensor tparams, int64_t group_size, int64_t k, c10::optional<torch::Tensor> bias,
-                               int64_t gemv_max_rows, c10::optional<torch::Tensor> rows) {
+                               int64_t gemv_max_rows) {
   TORCH_CHECK(group_size > 0, "group_size must be positive");
   const int64_t padded_k = (k + group_size - 1) / group_size * group_size;
   return linear_io(x, k, padded_k, packed.size(0), bias, [&](const torch::Tensor& x2) {
-    return int4dq_linear_rows(x2, packed, gparams, rparams, tparams, group_size, gemv_max_rows,
-                              x.scalar_type() != torch::kFloat32, rows);
+    return int4dq_linear(x2, packed, gparams, rparams, tparams, group_size, gemv_max_rows,
+                         x.scalar_type() != torch::kFloat32);
   });
 }
 
