@@ -429,8 +429,9 @@ def pack_int4dq_for_cpu(w):
     """The pairs layout, the chunked gparams, and tparams followed by the decoded row table the
     kernels read (float32 [2 + 8N]: T_d, T_c, then int4dq_cpu_rows; 32 bytes a row, 1.6% of a
     TinyLlama Int4DQ model): made once here, so that no call decodes it, eager or compiled (a
-    compiled graph reads the weight's fields as they are; decoding per call cost 1.2-1.5 ns a row on
-    the Xeon, 2.7 in the AVX2 build: 1.3 ms of a 22-layer TinyLlama decode step on the Zen 4)."""
+    compiled graph reads the weight's fields as they are; decoding per call, 1.0-1.5 ns a row in
+    the AVX-512 build and 2.7 in the AVX2 build, made the Zen 4's compiled 22-layer TinyLlama
+    decode step 3.4% (AVX2) and 8.9% (AVX-512) slower: docs/performance.md)."""
     ext = cpu_ext.load()
     qdata = ext.int4_repack_pairs(w.qdata.contiguous(), int4_padded_k(w))
     tparams = w.tparams.contiguous()
