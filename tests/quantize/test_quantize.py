@@ -264,12 +264,16 @@ def test_the_compile_cache_tag_keeps_the_users_words(monkeypatch):
 
     from hf_aoq.core import compile_cache
 
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine hf_aoq-0123 also")
     monkeypatch.setattr(compile_cache, "package_source_digest", lambda: "ab" * 32)
-    compile_cache.tag_compile_caches()
-    assert torch.compiler.config.cache_key_tag == "mine also hf_aoq-" + "ab" * 16
-    compile_cache.tag_compile_caches()  # again: the same tag
-    assert torch.compiler.config.cache_key_tag == "mine also hf_aoq-" + "ab" * 16
+    # config.patch, not monkeypatch: monkeypatch's undo would delete the setting (torch's config
+    # module keeps no instance attribute to restore), hiding it from every later compile.
+    before = torch.compiler.config.cache_key_tag
+    with torch.compiler.config.patch(cache_key_tag="mine hf_aoq-0123 also"):
+        compile_cache.tag_compile_caches()
+        assert torch.compiler.config.cache_key_tag == "mine also hf_aoq-" + "ab" * 16
+        compile_cache.tag_compile_caches()  # again: the same tag
+        assert torch.compiler.config.cache_key_tag == "mine also hf_aoq-" + "ab" * 16
+    assert torch.compiler.config.cache_key_tag == before
 
 
 def test_source_digest_sees_every_source_file(tmp_path):
