@@ -130,10 +130,12 @@ def test_dtypes_rows_and_bias(dtype, rows, int8):
         assert_close(run(x, w, None, int8), x, w, None, int8)
 
 
-def test_gemv_and_gemm_paths_agree_and_rows_are_independent():
+@pytest.mark.parametrize("bits,g", [(1, 32), (2, 32), (3, 64), (3, 32), (4, 32), (8, 128)])
+def test_gemv_and_gemm_paths_agree_and_rows_are_independent(bits, g):
     # The GEMV's result for a row does not depend on the rows computed with it (exact integer
-    # sums, the same float operations per output), whatever the tile.
-    w = make_weight(45, 576, 3, 64, False, torch.bfloat16)
+    # sums, the same float operations per output), whatever the tile, and whether the tile's
+    # block step is inlined (one row of 2-bit codes, every tile of 3- to 8-bit) or not.
+    w = make_weight(45, 576, bits, g, False, torch.bfloat16, seed=bits)
     x = torch.randn(7, 576, dtype=torch.bfloat16)
     together = run(x, w)
     for i in range(7):

@@ -393,6 +393,16 @@ Acts make_acts(const float* x, int64_t M, int64_t K, int64_t a, int64_t block, b
 // page, about five rows of a 2048-column 3-bit weight.
 constexpr int64_t kPrefetchAhead = 2048;
 
+// A block whose READ bytes would run past the tensor's end (qend; the last row's last blocks):
+// its bytes copied into `tail`, zeros after. Out of line and cold, so that the block loop's
+// accumulators stay in registers (a call clobbers every vector register).
+__attribute__((noinline, cold)) const uint8_t* tail_block(uint8_t* tail, int64_t read, const uint8_t* p,
+                                                         const uint8_t* qend) {
+  std::memset(tail, 0, size_t(read));
+  std::memcpy(tail, p, size_t(std::max<int64_t>(0, std::min<int64_t>(read, qend - p))));
+  return tail;
+}
+
 // Dot products of weight row `row` with MB activation rows (codes xp[i], per-sub-group scales
 // t[i] = s * sx), as float32 vector sums from init[i] (the zero term's lanes), summed into out[i].
 // Where a block holds several sub-groups, alternate blocks add into two accumulators, so that
@@ -404,6 +414,7 @@ void row_dots(const Spread<B>& sp, const LaneScale& ls, const uint8_t* row, cons
   constexpr int64_t BLK = Lay::BLOCK, BYTES = 4 * Lay::P * B;
   const int64_t NB = (K + BLK - 1) / BLK;
   alignas(64) uint8_t tail[Lay::READ];
+  // The block's bytes: in place, or for the tensor's last blocks copied into `tail` (zeros after).
   auto block_ptr = [&](int64_t b) -> const uint8_t* {
     const uint8_t* p = row + b * BYTES;
     _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead), _MM_HINT_T0);
@@ -411,6 +422,14 @@ void row_dots(const Spread<B>& sp, const LaneScale& ls, const uint8_t* row, cons
     std::memset(tail, 0, sizeof tail);
     std::memcpy(tail, p, size_t(std::max<int64_t>(0, std::min<int64_t>(Lay::READ, qend - p))));
     return tail;
+  };
+  // The same with the copy out of line and cold, for the inlined block step below: a call clobbers
+  // every vector register, and the accumulators stay in registers only if none is on the hot path.
+  auto block_ptr_hot = [&](int64_t b) __attribute__((always_inline)) -> const uint8_t* {
+    const uint8_t* p = row + b * BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead), _MM_HINT_T0);
+    if (__builtin_expect(p + Lay::READ <= qend, 1)) return p;
+    return tail_block(tail, Lay::READ, p, qend);
   };
   vfloat f[MB], f2[MB];
   for (int i = 0; i < MB; ++i) f[i] = init[i], f2[i] = vzero();
@@ -430,21 +449,37 @@ void row_dots(const Spread<B>& sp, const LaneScale& ls, const uint8_t* row, cons
     }
   } else {  // several sub-groups per block: each int32 lane scaled by its own
     const int64_t spb = BLK / a;
-    auto one = [&](int64_t b, vfloat* g) {
+    // Block b's step from its bytes at p, into the accumulators g.
+    auto step = [&](int64_t b, vfloat* g, const uint8_t* p) __attribute__((always_inline)) {
       vi32 acc[MB];
       for (int i = 0; i < MB; ++i) acc[i] = izero();
-      const vi16 v = sp.load(block_ptr(b));
+      const vi16 v = sp.load(p);
       const int16_t* xs[MB];
       for (int i = 0; i < MB; ++i) xs[i] = xp[i] + b * BLK;
       block_dots<B, MB>(v, xs, acc, seq);
       for (int i = 0; i < MB; ++i) g[i] = vfma(to_vfloat(acc[i]), ls.get(t[i] + b * spb), g[i]);
     };
     int64_t b = 0;
-    for (; b + 2 <= NB; b += 2) {
-      one(b, f);
-      one(b + 1, f2);
+    // Inlined where it measured faster: left to itself GCC kept the step out of line for 2- and
+    // 3-bit codes at every tile and for every width at 2-4 rows, so that each block passed its
+    // pointers and accumulators through memory (inlined, 1.2-1.8x as fast at 1-16 rows, AVX-512
+    // and AVX2 builds; docs/performance.md "The Intx GEMV's block step inlined"). Where a lane
+    // holds 16 codes (1-bit), or 8 (2-bit) with several activation rows, GCC's choice stays: inlined
+    // there, beside that many code vectors, it measured 0.7-0.9x as fast.
+    if constexpr (Lay::P <= 4 || (Lay::P == 8 && MB == 1)) {
+      for (; b + 2 <= NB; b += 2) {
+        step(b, f, block_ptr_hot(b));
+        step(b + 1, f2, block_ptr_hot(b + 1));
+      }
+      if (b < NB) step(b, f, block_ptr_hot(b));
+    } else {
+      auto one = [&](int64_t b, vfloat* g) { step(b, g, block_ptr(b)); };
+      for (; b + 2 <= NB; b += 2) {
+        one(b, f);
+        one(b + 1, f2);
+      }
+      if (b < NB) one(b, f);
     }
-    if (b < NB) one(b, f);
   }
   for (int i = 0; i < MB; ++i) out[i] = vsum(vadd(f[i], f2[i]));
 }
