@@ -95,6 +95,11 @@ MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 7, "intxdq": 
 # at 7 rows, 0.71 / 0.74 at 8, 1.19 / 1.27 at 6, so from 7 (12 before); Intx 0.81 / 1.15 at 5,
 # 0.74 / 0.84 at 6, 0.76 / 0.70 at 8, so from 6 (12 before); IntxDQ 0.61 / 1.03 at 8, 0.95 / 1.03 at
 # 6, still 8.
+# After the Intx GEMV's block step was inlined (1.3-1.6x as fast at 1-16 rows for 3-bit codes;
+# docs/performance.md, "The Intx GEMV's block step inlined"), again (7 rounds, GEMV / panel time):
+# IntxDQ 3-bit 0.73 at 6 rows, 0.91-0.92 at 8, 0.95-1.00 at 10, 1.31 at 12; 2-bit 0.84-0.99 at 6,
+# 1.17-1.34 at 8; Intx 3-bit 0.86-0.89 at 6, 0.95-1.14 at 8; 2-bit 0.82-1.05 at 6. One threshold per
+# format serves both widths, so Intx stays at 6 and IntxDQ at 8.
 # Above these rows they also beat dequantize + aten's bf16 GEMM (cpu_gemm.py; below them in the
 # table): at 48 rows int8 0.61 / 0.73 and float8 0.52 / 0.62 of its time; at 256 rows, as a
 # multiple of dense bf16 F.linear's time, int4 1.00 / 1.02 against 1.22 / 1.17, Int4DQ 0.99 / 1.00
