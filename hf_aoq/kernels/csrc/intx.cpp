@@ -462,8 +462,9 @@ void row_dots(const Spread<B>& sp, const LaneScale& ls, const uint8_t* row, cons
     int64_t b = 0;
     // Inlined where it measured faster: left to itself GCC kept the step out of line for 2- and
     // 3-bit codes at every tile and for every width at 2-4 rows, so that each block passed its
-    // pointers and accumulators through memory (inlined, 1.2-1.8x as fast at 1-16 rows, AVX-512
-    // and AVX2 builds; docs/performance.md "The Intx GEMV's block step inlined"). Where a lane
+    // pointers and accumulators through memory (inlined, in the AVX-512 build: 3-bit codes 1.2-1.6x
+    // as fast at 1-16 rows, 4- to 8-bit 1.2-1.8x at 2-16, 2-bit 1.1-1.3x at one row; 3-bit 1.3-1.4x
+    // in the AVX2 build; docs/performance.md "The Intx GEMV's block step inlined"). Where a lane
     // holds 16 codes (1-bit), or 8 (2-bit) with several activation rows, GCC's choice stays: inlined
     // there, beside that many code vectors, it measured 0.7-0.9x as fast.
     if constexpr (Lay::P <= 4 || (Lay::P == 8 && MB == 1)) {
