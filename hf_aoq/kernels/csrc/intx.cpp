@@ -215,7 +215,8 @@ struct IntxRows {
 // Sixteen consecutive codes of a row, from a byte boundary (2B bytes at p), as int32 lanes: the
 // 16 bytes at p in every 128-bit quarter, each lane's 32-bit window gathered by a byte shuffle
 // (byte B * i / 8 on: bytes past the 16 read as zero, above the code), then shifted right by
-// B * i % 8 and masked. `end`: the tensor's end (16 bytes are read where they lie before it).
+// B * i % 8 (`shifted`: code i in lane i's low B bits, the next codes' bits above). load(p, end):
+// the 16 bytes at p, zero past the tensor's end.
 template <int B>
 struct Codes16 {
   alignas(64) uint8_t shuf[64];
@@ -230,17 +231,15 @@ struct Codes16 {
       }
     }
   }
-  inline __m512i get(const uint8_t* p, const uint8_t* end) const {
-    __m128i raw;
-    if (p + 16 <= end) {
-      raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    } else {
-      alignas(16) uint8_t part[16] = {};
-      std::memcpy(part, p, size_t(std::max<int64_t>(0, std::min<int64_t>(16, end - p))));
-      raw = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
-    }
+  static inline __m128i load(const uint8_t* p, const uint8_t* end) {
+    if (p + 16 <= end) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    alignas(16) uint8_t part[16] = {};
+    std::memcpy(part, p, size_t(std::max<int64_t>(0, std::min<int64_t>(16, end - p))));
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+  }
+  inline __m512i shifted(__m128i raw) const {
     const __m512i lanes = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), _mm512_load_si512(shuf));
-    return _mm512_and_si512(_mm512_srlv_epi32(lanes, _mm512_load_si512(shift)), _mm512_set1_epi32((1 << B) - 1));
+    return _mm512_srlv_epi32(lanes, _mm512_load_si512(shift));
   }
 };
 
@@ -248,9 +247,12 @@ struct Codes16 {
 // n0..n0+31, k in [k0, k1) as bf16 in steps of 32 k, out[((k - k0) / 32 * 32 + r) * 32 + k % 32];
 // each value (q - o) * s (+ z) in float32 as IntxRows computes it, then rounded to bf16. A step at
 // a time over the 32 rows, so that the stores fill each step's 2 KB in order; each half step (16
-// codes, one group: groups are a multiple of 16 columns, K of 32) decoded by Codes16. The rows'
-// bytes are asked for ahead as RowScalePanel's are: with `ahead`, the next block's beside each
-// row's, else by amx_linear_tiles (bytes()).
+// codes, one group: groups are a multiple of 16 columns, K of 32) decoded by Codes16. For b <= 4
+// a group's 2^b values are a table of 16 float32 lanes, (i mod 2^b - o) * s (+ z) for index i,
+// made once per row and group with the same multiply and add, and each code's value is one
+// permute by its shifted lane (whose low 4 bits are the code and, above it, bits of the next
+// code, which the table's repeats ignore). The rows' bytes are asked for ahead as RowScalePanel's
+// are: with `ahead`, the next block's beside each row's, else by amx_linear_tiles (bytes()).
 template <int B>
 struct IntxRowsPanel {
   static constexpr bool kWeightRows = true;
@@ -263,10 +265,11 @@ struct IntxRowsPanel {
   }
   void operator()(int64_t n0, int64_t k0, int64_t k1, uint16_t* out, bool ahead) const {
     static const Codes16<B> codes16;
-    const uint8_t* qend = w.q + w.N * w.row_bytes;
-    const __m512 vo = _mm512_set1_ps(w.off);
+    const uint8_t* const q = w.q;
+    const int64_t row_bytes = w.row_bytes, G = w.G, g = w.g;
+    const uint8_t* const qend = q + w.N * row_bytes;
     const bool has_zero = w.has_zero();
-    const int64_t ahead_bytes = kAmxBlockN * w.row_bytes, G = w.G;
+    const int64_t ahead_bytes = kAmxBlockN * row_bytes;
     // The 32 rows' scales and zeros, each row's as row_params gives them (the same values as
     // group_params), before the steps: one group's pair is then two loads.
     thread_local std::vector<float> params;
@@ -274,24 +277,56 @@ struct IntxRowsPanel {
     float* const sp = params.data();
     float* const zp = sp + kAmxBlockN * G;
     for (int r = 0; r < kAmxBlockN; ++r) w.row_params(n0 + r, sp + r * G, zp + r * G);
-    for (int64_t k = k0; k < k1; k += 32) {
-      uint16_t* o = out + (k - k0) * 32;
-      const int64_t j0 = k / w.g, j1 = (k + 16) / w.g;
-      for (int r = 0; r < kAmxBlockN; ++r) {
-        const int64_t n = n0 + r;
-        const uint8_t* row = w.q + n * w.row_bytes + k / 8 * B;
-        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(row + ahead_bytes), _MM_HINT_T1);
-        __m512 v[2];
-        for (int h = 0; h < 2; ++h) {
-          const int64_t j = r * G + (h ? j1 : j0);
-          __m512 f = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(codes16.get(row + 2 * B * h, qend)), vo),
-                                   _mm512_set1_ps(sp[j]));
-          if (has_zero) f = _mm512_add_ps(f, _mm512_set1_ps(zp[j]));
-          v[h] = f;
-        }
-        _mm512_storeu_si512(o + r * 32, bf16_pack(v[0], v[1]));
+    alignas(64) float base[16];  // i mod 2^b - o, exact
+    for (int i = 0; i < 16; ++i) base[i] = static_cast<float>(i & ((1 << B) - 1)) - w.off;
+    const __m512 vbase = _mm512_load_ps(base), vo = _mm512_set1_ps(w.off);
+    // Group j's table (b <= 4) or its scale and zero.
+    struct Group {
+      __m512 t, s, z;
+    };
+    const auto group = [&](int64_t j) {
+      Group p;
+      p.s = _mm512_set1_ps(sp[j]);
+      p.z = _mm512_set1_ps(zp[j]);
+      if constexpr (B <= 4) p.t = has_zero ? _mm512_add_ps(_mm512_mul_ps(vbase, p.s), p.z) : _mm512_mul_ps(vbase, p.s);
+      return p;
+    };
+    // The values of the 16 codes in `raw` (Codes16's bytes) in group p.
+    const auto values = [&](__m128i raw, const Group& p) {
+      if constexpr (B <= 4) {
+        return _mm512_permutexvar_ps(codes16.shifted(raw), p.t);
+      } else {
+        const __m512i c = _mm512_and_si512(codes16.shifted(raw), _mm512_set1_epi32((1 << B) - 1));
+        const __m512 f = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), vo), p.s);
+        return has_zero ? _mm512_add_ps(f, p.z) : f;
       }
-    }
+    };
+    // Every read checked against the tensor's end only where the block's last one passes it.
+    const auto steps = [&](auto checked) {
+      for (int64_t k = k0; k < k1; k += 32) {
+        uint16_t* o = out + (k - k0) * 32;
+        const int64_t j0 = k / g, j1 = (k + 16) / g;
+        const uint8_t* row = q + n0 * row_bytes + k / 8 * B;
+        for (int r = 0; r < kAmxBlockN; ++r, row += row_bytes) {
+          if (ahead) _mm_prefetch(reinterpret_cast<const char*>(row + ahead_bytes), _MM_HINT_T1);
+          __m128i raw[2];
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* p = row + 2 * B * h;
+            if constexpr (decltype(checked)::value)
+              raw[h] = Codes16<B>::load(p, qend);
+            else
+              raw[h] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+          }
+          const Group p0 = group(r * G + j0);
+          const Group p1 = j1 == j0 ? p0 : group(r * G + j1);
+          _mm512_storeu_si512(o + r * 32, bf16_pack(values(raw[0], p0), values(raw[1], p1)));
+        }
+      }
+    };
+    if (q + (n0 + kAmxBlockN - 1) * row_bytes + (k1 - 16) / 8 * B + 16 <= qend)
+      steps(std::false_type());
+    else
+      steps(std::true_type());
   }
 };
 #endif
