@@ -100,6 +100,10 @@ MIN_ROWS = {"int4": 16, "int4dq": 12, "int8": 7, "fp8": 7, "intx": 7, "intxdq": 
 # IntxDQ 3-bit 0.73 at 6 rows, 0.91-0.92 at 8, 0.95-1.00 at 10, 1.31 at 12; 2-bit 0.84-0.99 at 6,
 # 1.17-1.34 at 8; Intx 3-bit 0.86-0.89 at 6, 0.95-1.14 at 8; 2-bit 0.82-1.05 at 6. One threshold per
 # format serves both widths, so Intx stays at 6 and IntxDQ at 8.
+# After the Intx panel's writer took each group's values from a table (1.15-1.4x as fast at 8-16
+# rows; docs/performance.md, "The Intx panel's writer"), GEMV / panel time: IntxDQ 3-bit 0.94 at
+# 7 rows, 1.25 at 8 (0.89 / 0.98 at 7 / 8 on 2048x5632); 2-bit 0.96 at 5, 1.05 at 6; Intx 3-bit
+# 0.90 at 7, 0.99 at 8; 2-bit 0.90 at 5, 1.09 at 6. Unchanged.
 # Above these rows they also beat dequantize + aten's bf16 GEMM (cpu_gemm.py; below them in the
 # table): at 48 rows int8 0.61 / 0.73 and float8 0.52 / 0.62 of its time; at 256 rows, as a
 # multiple of dense bf16 F.linear's time, int4 1.00 / 1.02 against 1.22 / 1.17, Int4DQ 0.99 / 1.00
