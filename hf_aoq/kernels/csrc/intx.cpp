@@ -249,9 +249,9 @@ struct Codes16 {
 // a time over the 32 rows, so that the stores fill each step's 2 KB in order; each half step (16
 // codes, one group: groups are a multiple of 16 columns, K of 32) decoded by Codes16. For b <= 4
 // a group's 2^b values are a table of 16 float32 lanes, (i mod 2^b - o) * s (+ z) for index i,
-// made once per row and group with the same multiply and add, and each code's value is one
-// permute by its shifted lane (whose low 4 bits are the code and, above it, bits of the next
-// code, which the table's repeats ignore). The rows' bytes are asked for ahead as RowScalePanel's
+// made per row and step with the same multiply and add (one table where both halves of the step
+// are in one group), and each code's value is one permute by its shifted lane (whose low 4 bits
+// are the code and, above it, bits of the next code, which the table's repeats ignore). The rows' bytes are asked for ahead as RowScalePanel's
 // are: with `ahead`, the next block's beside each row's, else by amx_linear_tiles (bytes()).
 template <int B>
 struct IntxRowsPanel {
