@@ -43,9 +43,6 @@ CACHE_KEY_PARTS: list[Callable[[], str]] = []
 # (kernels/registry.py `select_kernel`). It is no field: setting any attribute drops it (a choice
 # may depend on every field), and pickling and deepcopy leave it out.
 KERNEL_CACHE = "_aoq_kernel_choices"
-# The instance attribute where kernels keep tensors derived from this tensor's fields once (a
-# decoded parameter table: kernels/common.py `derived`); dropped and left out as KERNEL_CACHE is.
-DERIVED_CACHE = "_aoq_derived"
 # Where `__tensor_flatten__` keeps its answer: torch.compile's guards call it on every call of a
 # compiled graph, twice per quantized weight (5 us each: 1.6 ms of a 22-layer decode step), and
 # the answer changes only when a field is set (which drops it, as KERNEL_CACHE).
@@ -177,18 +174,16 @@ class AOQTensor(torch.Tensor):
         pass
 
     def __setattr__(self, name, value):
-        # A field set after construction may change which kernel applies and what was derived
-        # from the fields: forget both.
+        # A field set after construction may change which kernel applies and what
+        # __tensor_flatten__ gives: forget both.
         self.__dict__.pop(KERNEL_CACHE, None)
-        self.__dict__.pop(DERIVED_CACHE, None)
         self.__dict__.pop(FLATTEN_CACHE, None)
         super().__setattr__(name, value)
 
     def _clear_non_serializable_cached_data(self):
         # torch's hook, called before pickling and deepcopy: the kernel choices hold functions, and
-        # derived tensors and the flattened form are remade from the fields.
+        # the flattened form is remade from the fields.
         self.__dict__.pop(KERNEL_CACHE, None)
-        self.__dict__.pop(DERIVED_CACHE, None)
         self.__dict__.pop(FLATTEN_CACHE, None)
         super()._clear_non_serializable_cached_data()
 

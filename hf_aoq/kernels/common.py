@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from ..core.tensor import DERIVED_CACHE  # imported here, not per call: the import cost 1 us a call
-
 # The group sizes of Int4Tensor: what every int4 kernel takes (aten's CPU int4 and tinygemm, and
 # hf_aoq's pairs layout), so that every int4 weight has a fast kernel. The one definition;
 # tensors/int4.py and the backends import it.
@@ -18,20 +16,6 @@ def rows(x: torch.Tensor) -> int:
     """The rows of an activation [..., K]: the product of its leading dims (0 when K is 0)."""
     k = x.shape[-1]
     return x.numel() // k if k else 0
-
-
-def derived(w, name: str, make):
-    """`make(w)`, computed once and kept on the weight `w` (an AOQTensor) under `name`: what a
-    kernel derives from the fields and would otherwise redo on every call (IntxDQ's decoded row
-    grid). Setting any field drops it, and pickling and deepcopy leave it out
-    (core.tensor.DERIVED_CACHE). Not to be called while torch.compile traces."""
-    cache = w.__dict__.get(DERIVED_CACHE)
-    if cache is None:
-        cache = w.__dict__[DERIVED_CACHE] = {}
-    value = cache.get(name)
-    if value is None:
-        value = cache[name] = make(w)
-    return value
 
 
 def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -149,8 +149,8 @@ def intx_amx_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, z
 @opaque_op("intxdq_amx_linear_cpu", _out)
 def intxdq_amx_linear(x: torch.Tensor, qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor,
                       tparams: torch.Tensor, bits: int, group_size: int, bias: Optional[torch.Tensor],
-                      rows: Optional[torch.Tensor], tiles: bool) -> torch.Tensor:
-    return cpu_ext.load().intxdq_amx_linear(x, qdata, gparams, rparams, tparams, bits, group_size, bias, rows, tiles)
+                      tiles: bool) -> torch.Tensor:
+    return cpu_ext.load().intxdq_amx_linear(x, qdata, gparams, rparams, tparams, bits, group_size, bias, tiles)
 
 
 def _many_bf16_rows(fmt, min_rows):
@@ -209,9 +209,8 @@ def _intx(x, w, bias, tiles=True):
 
 
 def _intxdq(x, w, bias, tiles=True):
-    rows = None if torch.compiler.is_compiling() else cpu_intx._dq_rows(w)
     return _apply(x, _in_features(w), intxdq_amx_linear, w.qdata, w.gparams, w.rparams, w.tparams, w.bits,
-                  w.block_size[-1], bias, rows, tiles)
+                  w.block_size[-1], bias, tiles)
 
 
 FUNCTIONS = {"int4": _int4, "int4dq": _int4dq, "int8": _int8, "fp8": _fp8, "intx": _intx, "intxdq": _intxdq}
@@ -231,7 +230,7 @@ def _register_engine(suffix: str, capability_: object, min_rows: dict, tiles: bo
         "fp8": ("Float8Tensor", 25, None, lambda x, w: rows["fp8"](x, w) and _float8_cpu_applies(x, w)),
         "intx": ("IntxTensor", 35, None,
                  lambda x, w: rows["intx"](x, w) and cpu_intx._fields_fit(w) and _intx_groups_fit(w)),
-        "intxdq": ("IntxDQTensor", 35, None,
+        "intxdq": ("IntxDQTensor", 35, cpu_intx.DQ_READS,
                    lambda x, w: rows["intxdq"](x, w) and cpu_intx._dq_fields_fit(w) and _intx_groups_fit(w)),
     }
     for fmt, (type_name, priority, reads, when) in conditions.items():

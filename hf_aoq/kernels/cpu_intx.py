@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
-from .common import FLOATS, derived
+from .common import FLOATS
 from .cpu import CPU_EXT, _in_features, _linear_out
 from .cpu_gemm import BF16_GEMM, many_bf16_rows
-from .registry import opaque_op, register_kernel
+from .registry import CANONICAL, Packing, opaque_op, register_kernel, register_packing
 
 # Measured with bf16 activations, 2048x5632, groups of 32, 2 threads on a busy 2-vCPU Xeon
 # (AVX-512 build; best of interleaved rounds, GEMV / dequantize + float32 GEMM): int2 0.03, 0.11,
@@ -125,18 +125,19 @@ def intx_bf16_gemm_linear(x, w, bias):
 # ---------------------------------------------------------------------- IntxDQTensor
 # The same C++ kernels: IntxDQ's codes are IntxTensor's bit streams, and each group's scale d and
 # centre c (w = (q - (2^b - 1) / 2) * d + c) are decoded per row from the 4-bit indices (gparams)
-# on the row's grid, which the weight keeps decoded (`derived`: float32 [N, 4], 16 bytes a row).
+# on the row's grid (dlo, dstep, clo, cstep), which the CPU packing keeps decoded after T_d and T_c
+# in tparams (float32 [2 + 4N], 16 bytes a row; a canonical weight's [2] is decoded per call).
 # Weight-only; the GEMV at up to INTX_GEMV_MAX_ROWS rows, float32 dequantize + GEMM above, and
 # with bf16 activations on a native bf16 GEMM the dequantized weight (the reference's bits) and
 # aten's GEMM from the same crossover as IntxTensor's.
 @opaque_op("intxdq_linear_io_cpu", _linear_out)
 def intxdq_linear_io(
     x: torch.Tensor, qdata: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor,
-    bits: int, group_size: int, k: int, bias: Optional[torch.Tensor], rows: Optional[torch.Tensor] = None,
+    bits: int, group_size: int, k: int, bias: Optional[torch.Tensor],
 ) -> torch.Tensor:
     with torch.no_grad():
         return cpu_ext.load().intxdq_linear_io(x, qdata, gparams, rparams, tparams, bits, group_size, k, bias,
-                                               INTX_GEMV_MAX_ROWS, rows)
+                                               INTX_GEMV_MAX_ROWS)
 
 
 def _dq_dequantize_fake(qdata, gparams, rparams, tparams, bits, group_size, k, dtype):
@@ -161,21 +162,43 @@ def _dq_fields_fit(w) -> bool:
     )
 
 
-def _dq_rows(w) -> torch.Tensor:
-    return derived(w, "cpu_intxdq_rows", lambda w: cpu_ext.load().int4dq_row_params(w.rparams, w.tparams))
+def _dq_packable(w) -> bool:
+    return len(w.shape) == 2 and _dq_fields_fit(w)
 
 
-@register_kernel("linear", "IntxDQTensor", "cpu_intxdq_ext", backend="cpu", priority=20, device="cpu",
+def pack_intxdq_for_cpu(w):
+    """The canonical fields, tparams followed by the decoded row table the kernels read (float32
+    [2 + 4N]: T_d, T_c, then dlo, dstep, clo, cstep per row): made once here, so that no call
+    decodes it, eager or compiled (a compiled graph reads the weight's fields as they are: as
+    Int4DQ's packing, whose per-call decode made a Zen 4's compiled decode step 3-9% slower)."""
+    tparams = w.tparams.contiguous()
+    table = cpu_ext.load().int4dq_row_params(w.rparams.contiguous(), tparams)
+    return w.replace(tparams=torch.cat([tparams, table.reshape(-1)]), packing="cpu_intxdq")
+
+
+def unpack_intxdq_from_cpu(w):
+    return w.replace(tparams=w.tparams[:2].clone(), packing=None)
+
+
+# The kernels below read a canonical weight too (decoding its table per call): a tied weight that
+# an embedding also reads stays canonical (placement is for weights linears alone read).
+register_packing(
+    Packing("cpu_intxdq", "IntxDQTensor", "cpu", 10, _dq_packable, pack_intxdq_for_cpu, unpack_intxdq_from_cpu,
+            needs=(CPU_EXT,), helps_canonical_readers=True)
+)
+DQ_READS = (CANONICAL, "cpu_intxdq")
+
+
+@register_kernel("linear", "IntxDQTensor", "cpu_intxdq_ext", backend="cpu", priority=20, device="cpu", reads=DQ_READS,
                  needs=(CPU_EXT,), when=lambda x, w: x.dtype in FLOATS and _dq_fields_fit(w))
 def intxdq_cpu_linear(x, w, bias):
     """The integer GEMV at few rows, float32 dequantize + GEMM above (csrc/intx.cpp)."""
-    rows = None if torch.compiler.is_compiling() else _dq_rows(w)  # traced: decoded inside the op, per call
     return intxdq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.bits, w.block_size[-1], _in_features(w),
-                            bias, rows)
+                            bias)
 
 
 @register_kernel("linear", "IntxDQTensor", "cpu_intxdq_bf16_gemm", backend="cpu", priority=30, device="cpu",
-                 needs=(CPU_EXT, BF16_GEMM), when=many_bf16_rows("intx", _dq_fields_fit))
+                 reads=DQ_READS, needs=(CPU_EXT, BF16_GEMM), when=many_bf16_rows("intx", _dq_fields_fit))
 def intxdq_bf16_gemm_linear(x, w, bias):
     """The reference's numbers bit for bit: the same dequantized weight and the same F.linear."""
     weight = intxdq_dequantize(w.qdata, w.gparams, w.rparams, w.tparams, w.bits, w.block_size[-1], _in_features(w),

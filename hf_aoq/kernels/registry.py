@@ -13,7 +13,9 @@ A `Packing` is a device-specific layout of a type's fields that some kernels rea
 (`best_packing`) only picks a packing that a kernel capable on the device reads, so a packing
 names the kernels that can run it (`Packing.kernels`). `unpack` gives the canonical layout back.
 A packing that `keeps_layout` is the canonical layout plus a guarantee (Int8's: codes contiguous
-and aligned); kernels that read canonical weights read it too.
+and aligned); kernels that read canonical weights read it too. A packing that `helps_canonical_readers`
+adds what kernels that also read the canonical layout would otherwise derive per call (IntxDQ's
+decoded row table): placement makes it wherever one of them runs.
 
 A `Capability` is what a device allows (hf_aoq's C++ extension built, an aten op present, a CUDA
 compute capability, a CPU instruction set); each is probed once per device and then read from a
@@ -204,6 +206,8 @@ class Packing:
     unpack: Callable[[Any], Any]  # packed weight -> canonical weight
     needs: tuple[Capability, ...] = field(default=())  # what `pack` itself needs
     keeps_layout: bool = False  # the canonical layout plus a guarantee: canonical kernels read it too
+    # Read by kernels that read the canonical layout too, faster from this one: worth making for them.
+    helps_canonical_readers: bool = False
 
     def kernels(self, op: str = "linear") -> list[Kernel]:
         """The kernels that read this packing, best first (not the reference, which reads all)."""
@@ -334,9 +338,11 @@ def best_packing(weight) -> Packing | None:
     for cls in type(weight).__mro__:
         candidates = [p for p in _PACKINGS.values() if p.type_name == cls.__name__ and p.device_type == device.type]
         for p in sorted(candidates, key=lambda p: -p.priority):
-            # Worth making only for a kernel that runs here and does not read the canonical layout.
+            # Worth making only for a kernel that runs here and does not read the canonical layout
+            # (or reads it more slowly: helps_canonical_readers).
             runnable = any(
-                capable(k.needs, device) and not k.reads_packing(CANONICAL) for op in _ops() for k in p.kernels(op)
+                capable(k.needs, device) and (p.helps_canonical_readers or not k.reads_packing(CANONICAL))
+                for op in _ops() for k in p.kernels(op)
             )
             if runnable and capable(p.needs, device) and p.available(weight):
                 return p

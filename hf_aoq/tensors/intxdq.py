@@ -17,6 +17,10 @@ may be partial), G = ceil(K / g):
     rparams  uint8 [N, 4]     per row: kd_lo, kd_hi, kc_lo, kc_hi, Int4DQ's 8-bit log codes
     tparams  float32 [2]      per tensor: T_d, T_c
 
+The CPU packing ("cpu_intxdq", kernels/cpu_intx.py) keeps these fields and appends to tparams the
+decoded per-row table the C++ kernels read (float32 [2 + 4N]: T_d, T_c, then dlo, dstep, clo, cstep
+per row), so that no call decodes it, eager or compiled; `to_canonical()` undoes it.
+
 Decoding, in float32, exactly as Int4DQTensor's but for the codes' centre:
     (dlo, dstep, clo, cstep) per row as Int4DQTensor decodes them (steps (hi - lo) / 15)
     per group:  d = dlo + a * dstep;  c = clo + b * cstep
@@ -30,7 +34,7 @@ from ..core.errors import AOQError
 from ..core.primitives import by_row_chunks, check_finite
 from ..core.registry import register_tensor_type
 from ..kernels.search import group_codes
-from .common import BlockGridTensor, check_built, check_layout, check_weight
+from .common import BlockGridTensor, DevicePacked, check_built, check_layout, check_weight
 from .experts import dequantize_experts, quantize_experts
 from .int4dq import (GROUP_SIZES, _group_minmax, _padded_groups, _quantize_rows, check_grid_fields, group_grid,
                      select_grid_rows, slice_grid_fields, tensor_params)
@@ -72,9 +76,11 @@ def group_ranges(w: torch.Tensor, g: int, top: int) -> tuple[torch.Tensor, torch
 
 
 @register_tensor_type
-class IntxDQTensor(BlockGridTensor):
+class IntxDQTensor(DevicePacked, BlockGridTensor):
     tensor_data_names = ("qdata", "gparams", "rparams", "tparams")
     tensor_attribute_names = ("bits", "block_size", "shape", "dtype")
+    # Never saved (checkpoints hold the canonical layout): no file changes.
+    optional_tensor_attribute_names = ("packing",)
     schema_version = 1
 
     @classmethod
@@ -143,7 +149,7 @@ class IntxDQTensor(BlockGridTensor):
     # Rows carry their own row parameters; a slice along K must start on a group and end on one
     # or at K (the codes are unpacked, cut and packed again: a group need not start on a byte).
     def select_rows(self, rows: torch.Tensor) -> "IntxDQTensor":
-        return select_grid_rows(self, rows)
+        return select_grid_rows(self.to_canonical(), rows)
 
     def slice_fields(self, dim: int, start: int, end: int) -> "IntxDQTensor":
         """[start:end] of `dim`: of the experts (each with its own T_d and T_c), of the rows
@@ -151,7 +157,7 @@ class IntxDQTensor(BlockGridTensor):
         def columns(c, start, end):
             return {"qdata": pack_intx(unpack_intx(c.qdata, c.bits, c.shape[-1])[..., start:end], c.bits)}
 
-        return slice_grid_fields(self, dim, start, end, columns)
+        return slice_grid_fields(self.to_canonical(), dim, start, end, columns)
 
 
 def from_codes(codes: torch.Tensor, gparams: torch.Tensor, rparams: torch.Tensor, tparams: torch.Tensor, bits: int,

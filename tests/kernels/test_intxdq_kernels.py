@@ -2,8 +2,8 @@
 grid, kernels/cpu_intx.py) against the tensor's own reference: its dequantize (bit for bit) and
 a float64 product of that weight (within the kernels' tolerance). Both widths, both group sizes,
 partial last groups, the three activation dtypes, row counts on both sides of the GEMV's
-crossover, with and without the decoded row table, eager and torch.compile, and the table's
-rows. The AVX2 and AVX-512 builds are compared in test_intx_kernels.py's two-build test, whose
+crossover, with the CPU packing's decoded row table and without (decoded per call), eager and
+torch.compile, and the table's rows. The AVX2 and AVX-512 builds are compared in test_intx_kernels.py's two-build test, whose
 outputs include IntxDQ weights.
 
 Tolerances are relative to sum(|x| |w|) per output: weight-only activations become int16 codes per
@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from hf_aoq import IntxDQTensor
-from hf_aoq.core.tensor import DERIVED_CACHE
-from hf_aoq.kernels import cpu_ext, cpu_gemm, cpu_intx, registry
+from hf_aoq.kernels import cpu_amx, cpu_ext, cpu_gemm, cpu_intx, cpu_isa, registry
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="hf_aoq's C++ extension is not built here")
 
@@ -28,9 +27,9 @@ def make_weight(n, k, bits, g, seed=0, dtype=torch.bfloat16):
     return IntxDQTensor.from_float(w.to(dtype), bits, g)
 
 
-def run(x, w, bias=None, rows=None):
+def run(x, w, bias=None):
     return cpu_intx.intxdq_linear_io(x, w.qdata, w.gparams, w.rparams, w.tparams, w.bits, w.group_size, w.shape[1],
-                                     bias, rows)
+                                     bias)
 
 
 def assert_close(y, x, w, bias=None):
@@ -85,20 +84,33 @@ def test_rows_dtypes_and_bias(rows, dtype):
         assert_close(run(x, w), x, w)
 
 
-def test_the_row_table_is_decoded_once_and_gives_the_same_bits():
+def cpu_amx_engines() -> list[bool]:
+    """The panel GEMM's engines this machine runs (tiles: AMX; else AVX512-BF16's dot products)."""
+    engines = [True] if cpu_isa.amx_bf16_allowed() and cpu_ext.load().amx_available() else []
+    return engines + ([False] if cpu_isa.avx512_allowed() and cpu_ext.chosen_isa() == "avx512" else [])
+
+
+def test_the_packings_row_table_gives_the_bits_of_the_decode_per_call():
+    # The CPU packing appends the decoded row table to tparams ([2 + 4N]); a canonical weight's [2]
+    # is decoded per call. Every path reads the same table: the GEMV (2 rows), the float32 chunks
+    # (70 rows, above INTX_GEMV_MAX_ROWS), the dequantization and the panel rows (cpu_amx).
     w = make_weight(64, 256, 3, 32)
-    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    packed = cpu_intx.pack_intxdq_for_cpu(w)
     table = cpu_ext.load().int4dq_row_params(w.rparams, w.tparams)
-    assert torch.equal(run(x, w, rows=table), run(x, w))
-    kernel = next(k for k in registry.kernels_for("linear", "IntxDQTensor") if k.name == "cpu_intxdq_ext")
-    y = kernel.fn(x, w, None)
-    assert torch.equal(y, run(x, w))
-    cached = w.__dict__[DERIVED_CACHE]["cpu_intxdq_rows"]
-    assert torch.equal(cached, table)
-    kernel.fn(x, w, None)
-    assert w.__dict__[DERIVED_CACHE]["cpu_intxdq_rows"] is cached  # kept, not decoded again
-    with pytest.raises(RuntimeError, match="rows"):
-        run(x, w, rows=table[:-1].contiguous())
+    assert packed.packing == "cpu_intxdq" and packed.tparams.shape == (2 + 4 * 64,)
+    assert torch.equal(packed.tparams[:2], w.tparams) and torch.equal(packed.tparams[2:].view(64, 4), table)
+    for rows in (2, 70):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        assert torch.equal(run(x, packed), run(x, w)), rows
+    assert torch.equal(cpu_intx.intxdq_dequantize(packed.qdata, packed.gparams, packed.rparams, packed.tparams, 3, 32,
+                                                  256, torch.bfloat16), w.dequantize(torch.bfloat16))
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    for tiles in cpu_amx_engines():
+        assert torch.equal(cpu_amx._intxdq(x, packed, None, tiles), cpu_amx._intxdq(x, w, None, tiles)), tiles
+    assert torch.equal(cpu_intx.unpack_intxdq_from_cpu(packed).tparams, w.tparams)
+    # A table of another length is no table: the [2] check refuses it.
+    with pytest.raises(RuntimeError, match="tparams"):
+        run(x, packed.replace(tparams=packed.tparams[:-1].clone()))
 
 
 def test_bad_fields_are_refused():

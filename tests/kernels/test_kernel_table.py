@@ -48,6 +48,7 @@ TABLE = [
     ("embedding", "Int8Tensor", "cpu_int8_aligned", "reference"),
     ("embedding", "IntxDQTensor", "canonical", "rowgather"),
     ("embedding", "IntxDQTensor", "canonical", "reference"),
+    ("embedding", "IntxDQTensor", "cpu_intxdq", "reference"),
     ("embedding", "IntxTensor", "canonical", "rowgather"),
     ("embedding", "IntxTensor", "canonical", "reference"),
     ("embedding", "MXTensor", "canonical", "rowgather"),
@@ -114,6 +115,11 @@ TABLE = [
     ("linear", "IntxDQTensor", "canonical", "cpu_intxdq_bf16_gemm"),
     ("linear", "IntxDQTensor", "canonical", "cpu_intxdq_ext"),
     ("linear", "IntxDQTensor", "canonical", "reference"),
+    ("linear", "IntxDQTensor", "cpu_intxdq", "cpu_intxdq_amx"),
+    ("linear", "IntxDQTensor", "cpu_intxdq", "cpu_intxdq_avx512bf16"),
+    ("linear", "IntxDQTensor", "cpu_intxdq", "cpu_intxdq_bf16_gemm"),
+    ("linear", "IntxDQTensor", "cpu_intxdq", "cpu_intxdq_ext"),
+    ("linear", "IntxDQTensor", "cpu_intxdq", "reference"),
     ("linear", "IntxTensor", "canonical", "cpu_intx_amx"),
     ("linear", "IntxTensor", "canonical", "cpu_intx_avx512bf16"),
     ("linear", "IntxTensor", "canonical", "cpu_intx_bf16_gemm"),
@@ -143,6 +149,7 @@ def test_each_packing_names_the_kernels_that_read_it():
         "cpu_int4dq": ["cpu_int4dq_amx", "cpu_int4dq_avx512bf16", "cpu_int4dq_bf16_gemm", "cpu_int4dq_ext"],
         "cpu_int8_aligned": ["cpu_int8dyn_amx", "cpu_int8dyn_vnni", "cpu_int8_amx", "cpu_int8_avx512bf16", "cpu_int8_bf16_gemm", "cpu_int8_ext",
                              "cpu_int8pack_mm"],
+        "cpu_intxdq": ["cpu_intxdq_amx", "cpu_intxdq_avx512bf16", "cpu_intxdq_bf16_gemm", "cpu_intxdq_ext"],
         "cuda_tinygemm": ["cuda_tinygemm"],
     }
     for packing, names in reads.items():
@@ -271,6 +278,20 @@ def test_placement_only_picks_a_packing_some_kernel_here_can_run(scratch_table):
     assert kernels.get_packing("test_packing").kernels() == [registry._KERNELS[("linear", "SubInt4")][0]]
     # Its only kernel cannot run here: placement falls through to Int4Tensor's packings.
     assert q.place().packing == Int4Tensor.from_float(torch.randn(64, 256), 64).place().packing != "test_packing"
+
+
+@pytest.mark.parametrize("helps", [False, True])
+def test_a_packing_that_kernels_also_read_canonical_is_made_only_when_it_helps_them(scratch_table, helps):
+    kernels.register_packing(kernels.Packing(
+        "test_helper", "SubInt4", "cpu", 99, lambda w: True, lambda w: w.replace(packing="test_helper"),
+        lambda w: w.replace(packing=None), helps_canonical_readers=helps,
+    ))
+    kernels.register_kernel("linear", "SubInt4", "test_both", backend="cpu", priority=99,
+                            reads=(kernels.CANONICAL, "test_helper"), device="cpu")(lambda x, w, b: None)
+    q = SubInt4.from_float(torch.randn(64, 256), 64)
+    # The kernel reads the canonical layout too: the packing is worth making only where it says so.
+    assert (q.place().packing == "test_helper") == helps
+    assert kernels.select_kernel("linear", torch.randn(2, 256), q).name == "test_both"
 
 
 def test_the_int8_packing_copies_unaligned_codes_once_and_aten_reads_only_it():

@@ -3,6 +3,7 @@ slicing, experts, checks, the config and scheme names, GPTQ, saving."""
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 import hf_aoq
 from hf_aoq import AOQError, Int4DQTensor, IntxDQTensor, IntxDQWeightOnlyConfig, IntxTensor, kernels
@@ -87,6 +88,37 @@ def test_linear_slices_rows_and_embedding():
     assert torch.equal(F.embedding(ids, q), full[ids])
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+def test_placed_weights_carry_the_row_table_and_give_the_canonical_weights_answers(bits, tmp_path):
+    """place() on CPU (with the extension) appends the decoded row table to tparams; every
+    kernel, slice, lookup and save reads it as the canonical weight (tests/kernels/test_intxdq_kernels.py
+    compares the C++ paths bit for bit)."""
+    q = IntxDQTensor.from_float(weight(48, 200, torch.bfloat16), bits, 32)
+    placed = q.place()
+    if not cpu_ext.available():
+        assert placed.packing is None
+        return
+    assert placed.packing == "cpu_intxdq" and placed.tparams.shape == (2 + 4 * 48,)
+    back = placed.to_canonical()
+    assert back.packing is None
+    for name, t in q.tensor_fields().items():
+        assert torch.equal(back.tensor_fields()[name], t), name
+    assert torch.equal(placed.dequantize(), q.dequantize())
+    for m in (1, 9, 70):
+        x = torch.randn(m, 200, dtype=torch.bfloat16)
+        assert kernels.select_kernel("linear", x, placed).name == kernels.select_kernel("linear", x, q).name
+        assert torch.equal(F.linear(x, placed), F.linear(x, q)), m
+    assert placed[8:24].packing is None and torch.equal(placed[8:24].dequantize(), q[8:24].dequantize())
+    assert torch.equal(placed[:, 64:].dequantize(), q[:, 64:].dequantize())
+    ids = torch.tensor([[3, 40], [0, 3]])
+    assert torch.equal(F.embedding(ids, placed), F.embedding(ids, q))
+    path = str(tmp_path / "w.safetensors")
+    hf_aoq.serialization.save_file({"w": placed}, path)
+    with safe_open(path, "pt") as f:  # the file holds the canonical fields
+        assert f.get_tensor("w:tparams").shape == (2,) and '"packing"' not in f.metadata()["hf_aoq"]
+    assert torch.equal(hf_aoq.serialization.load_file(path)["w"].dequantize(), q.dequantize())
+
+
 def test_fused_experts():
     w = torch.stack([weight(16, 64, torch.float32, seed=s) * (s + 1) for s in range(3)])
     q = IntxDQTensor.from_float(w, 2, 32)
@@ -125,6 +157,7 @@ def _fields(q):
         (lambda f: f.update(tparams=torch.tensor([0.5, -1.0])), "two finite positive numbers"),
         (lambda f: f.update(block_size=(1, 128)), "attribute 'block_size'"),
         (lambda f: f.update(dtype=torch.int8), "attribute 'dtype'"),
+        (lambda f: f.update(packing="cpu_intxdq"), "canonical layout only"),
     ],
 )
 def test_check_fields_refuses_contradictions(change, match):
@@ -270,6 +303,7 @@ def test_a_transformers_model_quantizes_saves_and_loads(tmp_path):
         tmp_path / "float", quantization_config=hf_aoq.AOQConfig(quant_type=IntxDQWeightOnlyConfig(2, 64)))
     w = q.model.layers[0].mlp.up_proj.weight
     assert isinstance(w, IntxDQTensor) and w.bits == 2 and w.group_size == 64
+    assert w.packing == ("cpu_intxdq" if cpu_ext.available() else None)  # placed: linears alone read it
     ids = torch.randint(0, 128, (1, 9))
     logits = q(ids).logits
     q.save_pretrained(tmp_path / "q")

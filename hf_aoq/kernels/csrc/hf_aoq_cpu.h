@@ -41,7 +41,7 @@ torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tenso
                               int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias, bool tiles);
 torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias,
-                                c10::optional<torch::Tensor> rows, bool tiles);
+                                bool tiles);
 // amx.cpp: whether this binary has the AMX kernels and this process may run them.
 bool amx_available();
 // dense.cpp: a plain bf16 weight [N, K] against float32 rows [M, K] (float32 [M, N]); linear_io.cpp:
@@ -117,7 +117,7 @@ torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::opt
 // intx.cpp: IntxDQTensor (2-3 bit codes on Int4DQ's group grid), weight-only F.linear and dequantize.
 torch::Tensor intxdq_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
                                torch::Tensor tparams, int64_t bits, int64_t group_size, int64_t k,
-                               c10::optional<torch::Tensor> bias, int64_t gemv_max_rows, c10::optional<torch::Tensor> rows);
+                               c10::optional<torch::Tensor> bias, int64_t gemv_max_rows);
 torch::Tensor intxdq_dequantize(torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams, torch::Tensor tparams,
                                 int64_t bits, int64_t group_size, int64_t k, torch::ScalarType dtype);
 

@@ -669,11 +669,11 @@ IntxWeight check_weight(const torch::Tensor& qdata, const torch::Tensor& scale, 
   return w;
 }
 
-// IntxDQTensor's fields; `table` receives the decoded row table (float32 [N, 4]): `rows` where
-// given (the caller's copy, kept with the weight), else decoded from rparams and tparams here.
+// IntxDQTensor's fields; `table` receives the decoded row table (float32 [N, 4]): the CPU
+// packing's, after T_d and T_c in tparams ([2 + 4N]), else decoded from rparams and tparams here.
 IntxWeight check_dq_weight(const torch::Tensor& qdata, const torch::Tensor& gparams, const torch::Tensor& rparams,
-                           const torch::Tensor& tparams, const c10::optional<torch::Tensor>& rows, int64_t bits,
-                           int64_t group_size, int64_t k, torch::Tensor& table) {
+                           const torch::Tensor& tparams, int64_t bits, int64_t group_size, int64_t k,
+                           torch::Tensor& table) {
   IntxWeight w = check_codes(qdata, bits, group_size, k);
   w.off = float((1 << bits) - 1) / 2.f;
   const int64_t N = w.N, G = w.G;
@@ -681,11 +681,11 @@ IntxWeight check_dq_weight(const torch::Tensor& qdata, const torch::Tensor& gpar
                   gparams.is_contiguous(),
               "gparams: contiguous uint8 [", N, ", ", G, "], got ", gparams.dtype(), " ", gparams.sizes());
   TORCH_CHECK(rparams.dim() == 2 && rparams.size(0) == N, "rparams: [", N, ", 4], got ", rparams.sizes());
-  if (rows.has_value() && rows->defined()) {
-    TORCH_CHECK(rows->dtype() == torch::kFloat32 && rows->dim() == 2 && rows->size(0) == N && rows->size(1) == 4 &&
-                    rows->is_contiguous(),
-                "rows: contiguous float32 [", N, ", 4] (int4dq_row_params of the weight's rparams and tparams)");
-    table = *rows;
+  if (tparams.numel() == 2 + 4 * N) {  // the CPU packing's: T_d, T_c, then the decoded row table
+    TORCH_CHECK(tparams.dtype() == torch::kFloat32 && tparams.dim() == 1 && tparams.is_contiguous(),
+                "tparams: contiguous float32 [2] or [2 + 4N] (T_d, T_c and the CPU packing's row table), got ",
+                tparams.dtype(), " ", tparams.sizes());
+    table = tparams.narrow(0, 2, 4 * N);
   } else {
     table = int4dq_decode(rparams, tparams);  // checks rparams and tparams
   }
@@ -793,9 +793,9 @@ torch::Tensor intx_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tenso
 // The same for IntxDQTensor's fields (as for intxdq_linear_io).
 torch::Tensor intxdq_amx_linear(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
                                 torch::Tensor tparams, int64_t bits, int64_t group_size, c10::optional<torch::Tensor> bias,
-                                c10::optional<torch::Tensor> rows, bool tiles) {
+                                bool tiles) {
   torch::Tensor table;
-  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, rows, bits, group_size, x.size(-1), table);
+  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, bits, group_size, x.size(-1), table);
   return amx_linear(w, x, bias, bits, tiles);
 }
 
@@ -822,13 +822,15 @@ torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::opt
 
 // F.linear(x, IntxDQTensor weight, bias), weight-only: its canonical fields (qdata as IntxTensor's
 // bit streams, gparams uint8 [N, ceil(k / group_size)], rparams uint8 [N, 4], tparams float32
-// [2]); rows: the decoded row table (int4dq_row_params), optional. The same paths as
-// intx_linear_io's, with o = (2^bits - 1) / 2 and each group's (d, c) as (scale, zero).
+// [2], or the CPU packing's [2 + 4N]: T_d and T_c followed by the decoded row table,
+// int4dq_row_params', made once when the weight was packed, kernels/cpu_intx.py; from [2] it is
+// decoded per call). The same paths as intx_linear_io's, with o = (2^bits - 1) / 2 and each
+// group's (d, c) as (scale, zero).
 torch::Tensor intxdq_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
                                torch::Tensor tparams, int64_t bits, int64_t group_size, int64_t k,
-                               c10::optional<torch::Tensor> bias, int64_t gemv_max_rows, c10::optional<torch::Tensor> rows) {
+                               c10::optional<torch::Tensor> bias, int64_t gemv_max_rows) {
   torch::Tensor table;
-  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, rows, bits, group_size, k, table);
+  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, bits, group_size, k, table);
   return linear_io(w, x, bias, bits, group_size, k, gemv_max_rows, false);
 }
 
@@ -837,6 +839,6 @@ torch::Tensor intxdq_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tens
 torch::Tensor intxdq_dequantize(torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams, torch::Tensor tparams,
                                 int64_t bits, int64_t group_size, int64_t k, torch::ScalarType dtype) {
   torch::Tensor table;
-  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, c10::nullopt, bits, group_size, k, table);
+  const IntxWeight w = check_dq_weight(qdata, gparams, rparams, tparams, bits, group_size, k, table);
   return dequantize(w, bits, k, dtype);
 }
