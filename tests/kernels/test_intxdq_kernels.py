@@ -3,8 +3,8 @@ grid, kernels/cpu_intx.py) against the tensor's own reference: its dequantize (b
 a float64 product of that weight (within the kernels' tolerance). Both widths, both group sizes,
 partial last groups, the three activation dtypes, row counts on both sides of the GEMV's
 crossover, with the CPU packing's decoded row table and without (decoded per call), eager and
-torch.compile, and the table's rows. The AVX2 and AVX-512 builds are compared in test_intx_kernels.py's two-build test, whose
-outputs include IntxDQ weights.
+torch.compile, and the table's rows. The AVX2 and AVX-512 builds are compared in
+test_intx_kernels.py's two-build test, whose outputs include IntxDQ weights.
 
 Tolerances are relative to sum(|x| |w|) per output: weight-only activations become int16 codes per
 group (each within 1/65534 of the group's largest |x|), then the output's rounding."""

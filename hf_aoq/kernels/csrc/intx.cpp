@@ -251,8 +251,9 @@ struct Codes16 {
 // a group's 2^b values are a table of 16 float32 lanes, (i mod 2^b - o) * s (+ z) for index i,
 // made per row and step with the same multiply and add (one table where both halves of the step
 // are in one group), and each code's value is one permute by its shifted lane (whose low 4 bits
-// are the code and, above it, bits of the next code, which the table's repeats ignore). The rows' bytes are asked for ahead as RowScalePanel's
-// are: with `ahead`, the next block's beside each row's, else by amx_linear_tiles (bytes()).
+// are the code and, above it, bits of the next code, which the table's repeats ignore). The rows'
+// bytes are asked for ahead as RowScalePanel's are: with `ahead`, the next block's beside each
+// row's, else by amx_linear_tiles (bytes()).
 template <int B>
 struct IntxRowsPanel {
   static constexpr bool kWeightRows = true;
@@ -822,8 +823,8 @@ torch::Tensor intx_dequantize(torch::Tensor qdata, torch::Tensor scale, c10::opt
 
 // F.linear(x, IntxDQTensor weight, bias), weight-only: its canonical fields (qdata as IntxTensor's
 // bit streams, gparams uint8 [N, ceil(k / group_size)], rparams uint8 [N, 4], tparams float32
-// [2], or the CPU packing's [2 + 4N]: T_d and T_c followed by the decoded row table,
-// int4dq_row_params', made once when the weight was packed, kernels/cpu_intx.py; from [2] it is
+// [2], or the CPU packing's [2 + 4N]: T_d and T_c, then the row table int4dq_row_params
+// decodes, made once when the weight was packed by kernels/cpu_intx.py; from [2] the table is
 // decoded per call). The same paths as intx_linear_io's, with o = (2^bits - 1) / 2 and each
 // group's (d, c) as (scale, zero).
 torch::Tensor intxdq_linear_io(torch::Tensor x, torch::Tensor qdata, torch::Tensor gparams, torch::Tensor rparams,
