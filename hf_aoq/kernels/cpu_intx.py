@@ -162,10 +162,6 @@ def _dq_fields_fit(w) -> bool:
     )
 
 
-def _dq_packable(w) -> bool:
-    return len(w.shape) == 2 and _dq_fields_fit(w)
-
-
 def pack_intxdq_for_cpu(w):
     """The canonical fields, tparams followed by the decoded row table the kernels read (float32
     [2 + 4N]: T_d, T_c, then dlo, dstep, clo, cstep per row): made once here, so that no call
@@ -184,7 +180,7 @@ def unpack_intxdq_from_cpu(w):
 # The kernels below read a canonical weight too (decoding its table per call): a tied weight that
 # an embedding also reads stays canonical (placement is for weights linears alone read).
 register_packing(
-    Packing("cpu_intxdq", "IntxDQTensor", "cpu", 10, _dq_packable, pack_intxdq_for_cpu, unpack_intxdq_from_cpu,
+    Packing("cpu_intxdq", "IntxDQTensor", "cpu", 10, _dq_fields_fit, pack_intxdq_for_cpu, unpack_intxdq_from_cpu,
             needs=(CPU_EXT,), helps_canonical_readers=True)
 )
 DQ_READS = (CANONICAL, "cpu_intxdq")
